@@ -1,0 +1,41 @@
+"""jaxslices: row-sparse ``IndexedSlices`` gradients and Optax optimizers for JAX.
+
+A training step that reads an embedding table through
+:func:`jaxslices.embedding_lookup` gets, from :func:`jaxslices.value_and_grad`,
+an :class:`IndexedSlices` gradient of the rows the batch touched; jaxslices'
+Optax transforms keep it sparse and :func:`jaxslices.apply_updates` writes it
+in place, so a step costs what the batch touches, not what the table holds.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .slices import IndexedSlices as IndexedSlices
+from .slices import coalesce as coalesce
+from .slices import concatenate as concatenate
+from .slices import from_dense as from_dense
+from .slices import global_norm as global_norm
+from .slices import is_indexed_slices as is_indexed_slices
+from .slices import scatter_add as scatter_add
+from .slices import scatter_sub as scatter_sub
+from .slices import scatter_update as scatter_update
+from .slices import sparse_mask as sparse_mask
+from .slices import to_dense as to_dense
+
+try:
+    __version__ = version("jaxslices")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "IndexedSlices",
+    "coalesce",
+    "concatenate",
+    "from_dense",
+    "global_norm",
+    "is_indexed_slices",
+    "scatter_add",
+    "scatter_sub",
+    "scatter_update",
+    "sparse_mask",
+    "to_dense",
+]

@@ -1,0 +1,621 @@
+"""The ``IndexedSlices`` pytree type and every operation on it.
+
+An ``IndexedSlices(values, indices, dense_shape)`` stands for the dense array
+``zeros(dense_shape).at[indices].add(values)``: ``values[k]`` is added to row
+``indices[k]``. It is TensorFlow's ``tf.IndexedSlices`` for JAX.
+
+Conventions (see ``docs/design.md``):
+
+* **Duplicates sum.** An index may appear several times; its rows add up.
+* **Padding.** A slot whose index equals ``dense_shape[0]`` is a padding slot.
+  It contributes nothing anywhere (dropped by scatters, zero in ``to_dense``,
+  ignored by norms). Operations that create padding (``coalesce``,
+  ``sparse_mask``) also zero its values. Fixed-size results (needed under
+  ``jit``) use padding to say "fewer rows".
+* **Invalid indices.** A negative index, or one greater than ``dense_shape[0]``,
+  is treated like padding: it contributes nothing. JAX scatters would wrap a
+  negative index to the end of the array even with ``mode="drop"``; every
+  scatter here masks them first, so no row is ever written that was not asked
+  for. ``jaxslices.check_indices`` raises on them instead (opt-in).
+* **Static shapes.** ``dense_shape`` is a tuple of Python ints, part of the
+  pytree's static aux data; ``values`` and ``indices`` are the children.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "IndexedSlices",
+    "is_indexed_slices",
+    "to_dense",
+    "from_dense",
+    "coalesce",
+    "sparse_mask",
+    "global_norm",
+    "scatter_add",
+    "scatter_sub",
+    "scatter_update",
+    "valid_mask",
+]
+
+_CORRUPTED_INDICES_HINT = (
+    "Indices of an IndexedSlices must be integers. Float indices usually mean a "
+    "leaf-wise Optax transform (optax.scale, optax.sgd, optax.adam, ...) was "
+    "applied to a gradient tree holding IndexedSlices: it maps over `indices` as "
+    "if they were a parameter and corrupts them. Use the jaxslices transform of "
+    "the same name (jaxslices.sgd, jaxslices.scale, jaxslices.lazy_adam, ...), or "
+    "route the sparse leaves away from stock Optax with optax.multi_transform."
+)
+
+
+def _as_array(x: Any, name: str) -> Any:
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        return x
+    try:
+        return jnp.asarray(x)
+    except TypeError as e:
+        raise TypeError(
+            f"IndexedSlices: `{name}` must be an array, got {type(x).__name__}: {x!r}"
+        ) from e
+
+
+def _check_dense_shape(dense_shape: Any) -> tuple[int, ...]:
+    if isinstance(dense_shape, (int, np.integer)):
+        dense_shape = (dense_shape,)
+    try:
+        shape = tuple(operator.index(d) for d in dense_shape)
+    except TypeError as e:
+        raise TypeError(
+            "IndexedSlices: `dense_shape` must be a tuple of Python ints (static, "
+            f"as JAX shapes are), got {dense_shape!r}. If it came from a traced "
+            "array, use `x.shape` instead of `jnp.shape(x)` values computed at "
+            "run time."
+        ) from e
+    if len(shape) < 1:
+        raise ValueError(
+            "IndexedSlices: `dense_shape` must have at least one dimension "
+            f"(rows), got {shape!r}."
+        )
+    if any(d < 0 for d in shape):
+        raise ValueError(
+            f"IndexedSlices: `dense_shape` must be non-negative, got {shape!r}."
+        )
+    return shape
+
+
+def _check_integer_indices(indices: Any, where: str) -> None:
+    dtype = indices.dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(
+            f"{where}: `indices` must have an integer dtype, got "
+            f"{jnp.dtype(dtype).name}{list(indices.shape)}. {_CORRUPTED_INDICES_HINT}"
+        )
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class IndexedSlices:
+    """Row-sparse representation of a dense array: rows ``values`` at ``indices``.
+
+    Represents ``jnp.zeros(dense_shape).at[indices].add(values)``. Duplicate
+    indices sum; an index equal to ``dense_shape[0]`` is a padding slot that
+    contributes nothing.
+
+    Args:
+      values: array of shape ``[N, *dense_shape[1:]]``, the rows.
+      indices: integer array of shape ``[N]``, the row of each slice.
+      dense_shape: tuple of Python ints, the shape of the dense equivalent.
+
+    Raises:
+      TypeError: ``indices`` are not integers, or ``dense_shape`` is not static.
+      ValueError: the shapes of ``values``, ``indices`` and ``dense_shape``
+        disagree.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxslices import IndexedSlices
+      >>> s = IndexedSlices(jnp.ones((3, 2)), jnp.array([0, 2, 0]), (4, 2))
+      >>> s
+      IndexedSlices(float32[4, 2], rows=3)
+      >>> s.to_dense()
+      Array([[2., 2.],
+             [0., 0.],
+             [1., 1.],
+             [0., 0.]], dtype=float32)
+    """
+
+    __slots__ = ("values", "indices", "dense_shape")
+    __hash__ = None  # type: ignore[assignment]
+    # Make NumPy defer to our reflected operators (np.ndarray + IndexedSlices).
+    __array_ufunc__ = None
+
+    values: jax.Array
+    indices: jax.Array
+    dense_shape: tuple[int, ...]
+
+    def __init__(self, values: Any, indices: Any, dense_shape: Sequence[int]):
+        dense_shape = _check_dense_shape(dense_shape)
+        values = _as_array(values, "values")
+        indices = _as_array(indices, "indices")
+        _check_integer_indices(indices, "IndexedSlices")
+        if indices.ndim != 1:
+            raise ValueError(
+                "IndexedSlices: `indices` must be 1-D (one row index per slice), "
+                f"got shape {tuple(indices.shape)}. Flatten ids first, e.g. "
+                "`ids.reshape(-1)` with `values.reshape(-1, *row_shape)`."
+            )
+        if values.ndim < 1 or values.shape[0] != indices.shape[0]:
+            raise ValueError(
+                "IndexedSlices: `values.shape[0]` must equal `indices.shape[0]` "
+                f"(one row per index), got values shape {tuple(values.shape)} and "
+                f"indices shape {tuple(indices.shape)}."
+            )
+        if tuple(values.shape[1:]) != dense_shape[1:]:
+            raise ValueError(
+                "IndexedSlices: each row of `values` must have shape "
+                f"dense_shape[1:] = {dense_shape[1:]}, got values shape "
+                f"{tuple(values.shape)} (rows of shape {tuple(values.shape[1:])}) "
+                f"for dense_shape {dense_shape}."
+            )
+        if dense_shape[0] > jnp.iinfo(indices.dtype).max:
+            raise ValueError(
+                f"IndexedSlices: indices of dtype {jnp.dtype(indices.dtype).name} "
+                f"cannot hold the padding index dense_shape[0] = {dense_shape[0]}; "
+                "use a wider integer dtype such as int32."
+            )
+        self.values = values
+        self.indices = indices
+        self.dense_shape = dense_shape
+
+    # -- pytree ---------------------------------------------------------------
+    def tree_flatten_with_keys(self):
+        children = (
+            (jax.tree_util.GetAttrKey("values"), self.values),
+            (jax.tree_util.GetAttrKey("indices"), self.indices),
+        )
+        return children, self.dense_shape
+
+    def tree_flatten(self):
+        return (self.values, self.indices), self.dense_shape
+
+    @classmethod
+    def tree_unflatten(cls, dense_shape, children):
+        # No validation: JAX unflattens with placeholder leaves (object(), None,
+        # batching sentinels), see the JAX docs on custom pytrees.
+        obj = object.__new__(cls)
+        obj.values, obj.indices = children
+        obj.dense_shape = dense_shape
+        return obj
+
+    # -- properties -----------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The dense shape (like ``to_dense().shape``)."""
+        return self.dense_shape
+
+    @property
+    def dtype(self) -> Any:
+        """The dtype of ``values`` (and of the dense equivalent)."""
+        return self.values.dtype
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions of the dense equivalent."""
+        return len(self.dense_shape)
+
+    @property
+    def num_rows(self) -> int:
+        """Number of dense rows, ``dense_shape[0]`` (also the padding index)."""
+        return self.dense_shape[0]
+
+    @property
+    def num_slices(self) -> int:
+        """Number of slots ``N`` (static), padding slots included."""
+        return self.indices.shape[0]
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """Shape of one row, ``dense_shape[1:]``."""
+        return self.dense_shape[1:]
+
+    @property
+    def padding_index(self) -> int:
+        """The index that marks a padding slot: ``dense_shape[0]``."""
+        return self.dense_shape[0]
+
+    def __repr__(self) -> str:
+        try:
+            dtype = jnp.dtype(self.values.dtype).name
+            rows = self.indices.shape[0]
+        except AttributeError:  # placeholder leaves
+            return f"IndexedSlices(<{type(self.values).__name__}>, {self.dense_shape})"
+        dims = ", ".join(str(d) for d in self.dense_shape)
+        return f"IndexedSlices({dtype}[{dims}], rows={rows})"
+
+    # -- conversions ----------------------------------------------------------
+    def to_dense(self) -> jax.Array:
+        """The dense array: duplicates summed, padding and invalid slots dropped."""
+        out = jnp.zeros(self.dense_shape, self.values.dtype)
+        return out.at[safe_indices(self)].add(self.values, mode="drop")
+
+    def astype(self, dtype: Any) -> IndexedSlices:
+        """Cast ``values`` to ``dtype`` (indices unchanged)."""
+        return _replace_values(self, self.values.astype(dtype))
+
+    def coalesce(self) -> IndexedSlices:
+        """See :func:`jaxslices.coalesce`."""
+        return coalesce(self)
+
+    # -- arithmetic -----------------------------------------------------------
+    def _scale(self, c: Any, op, opname: str) -> IndexedSlices:
+        if isinstance(c, IndexedSlices):
+            raise TypeError(
+                f"IndexedSlices {opname} IndexedSlices is not supported: the product "
+                "of two sparse arrays is not row-sparse in general. Densify one "
+                "with .to_dense() first."
+            )
+        c = jnp.asarray(c)
+        if jnp.ndim(c) > len(self.row_shape) or not _broadcasts_to(
+            c.shape, self.row_shape
+        ):
+            raise ValueError(
+                f"IndexedSlices {opname} c: `c` must be a scalar or broadcastable to "
+                f"one row of shape {self.row_shape}, got shape {tuple(c.shape)}. "
+                "To scale by a dense array of the full shape, densify first."
+            )
+        return _replace_values(self, op(self.values, c))
+
+    def __mul__(self, c: Any) -> IndexedSlices:
+        return self._scale(c, operator.mul, "*")
+
+    def __rmul__(self, c: Any) -> IndexedSlices:
+        return self._scale(c, lambda v, k: k * v, "*")
+
+    def __truediv__(self, c: Any) -> IndexedSlices:
+        return self._scale(c, operator.truediv, "/")
+
+    def __neg__(self) -> IndexedSlices:
+        return _replace_values(self, -self.values)
+
+    def __pos__(self) -> IndexedSlices:
+        return self
+
+    def __add__(self, other: Any) -> Any:
+        if isinstance(other, IndexedSlices):
+            return concatenate([self, other])
+        return scatter_add(_dense_operand(other, self, "+"), self)
+
+    def __radd__(self, other: Any) -> Any:
+        if isinstance(other, IndexedSlices):
+            return concatenate([other, self])
+        return scatter_add(_dense_operand(other, self, "+"), self)
+
+    def __sub__(self, other: Any) -> Any:
+        if isinstance(other, IndexedSlices):
+            return concatenate([self, -other])
+        # s - x = -x + s
+        return scatter_add(-_dense_operand(other, self, "-"), self)
+
+    def __rsub__(self, other: Any) -> Any:
+        if isinstance(other, IndexedSlices):
+            return concatenate([other, -self])
+        return scatter_sub(_dense_operand(other, self, "-"), self)
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    try:
+        return np.broadcast_shapes(shape, target) == tuple(target)
+    except ValueError:
+        return False
+
+
+def _replace_values(s: IndexedSlices, values: jax.Array) -> IndexedSlices:
+    out = object.__new__(IndexedSlices)
+    out.values, out.indices, out.dense_shape = values, s.indices, s.dense_shape
+    return out
+
+
+def _dense_operand(x: Any, s: IndexedSlices, opname: str) -> jax.Array:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        if isinstance(x, (int, float, complex)):
+            raise TypeError(
+                f"IndexedSlices {opname} scalar is not supported: adding a scalar "
+                "to every entry makes the result dense. Use s.to_dense() "
+                f"{opname} c if that is what you mean."
+            )
+        x = jnp.asarray(x)
+    if tuple(x.shape) != s.dense_shape:
+        raise ValueError(
+            f"IndexedSlices {opname} dense array: the dense operand must have the "
+            f"slices' dense shape {s.dense_shape}, got shape {tuple(x.shape)}."
+        )
+    return jnp.asarray(x)
+
+
+def is_indexed_slices(x: Any) -> bool:
+    """``True`` for an :class:`IndexedSlices`; use as ``is_leaf`` in tree maps."""
+    return isinstance(x, IndexedSlices)
+
+
+def check_slices(s: Any, where: str) -> IndexedSlices:
+    """Trace-time guard for entry points that consume slices (free under jit)."""
+    if not isinstance(s, IndexedSlices):
+        raise TypeError(f"{where}: expected an IndexedSlices, got {type(s).__name__}.")
+    _check_integer_indices(s.indices, where)
+    return s
+
+
+def valid_mask(s: IndexedSlices) -> jax.Array:
+    """Boolean ``[N]``: ``True`` where the slot's index is a real row (0 <= i < V)."""
+    check_slices(s, "valid_mask")
+    return (s.indices >= 0) & (s.indices < s.dense_shape[0])
+
+
+def safe_indices(s: IndexedSlices) -> jax.Array:
+    """Indices with padding, negative and too-large ones all mapped to ``V``.
+
+    ``V = dense_shape[0]`` is out of bounds, so a ``mode="drop"`` scatter
+    drops it and a ``mode="fill"`` gather fills it. This is what stops JAX
+    from wrapping ``-1`` to the last row.
+    """
+    check_slices(s, "IndexedSlices")
+    v = s.dense_shape[0]
+    return jnp.where(valid_mask(s), s.indices, jnp.asarray(v, s.indices.dtype))
+
+
+def to_dense(tree: Any) -> Any:
+    """Densify every :class:`IndexedSlices` in a pytree; other leaves unchanged.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> s = jaxslices.IndexedSlices(jnp.ones((1, 2)), jnp.array([1]), (2, 2))
+      >>> jaxslices.to_dense({"table": s, "bias": jnp.zeros(2)})["table"]
+      Array([[0., 0.],
+             [1., 1.]], dtype=float32)
+    """
+    return jax.tree.map(
+        lambda x: x.to_dense() if isinstance(x, IndexedSlices) else x,
+        tree,
+        is_leaf=is_indexed_slices,
+    )
+
+
+def from_dense(x: jax.Array, indices: Any) -> IndexedSlices:
+    """Gather rows ``x[indices]`` into an :class:`IndexedSlices` of shape ``x.shape``.
+
+    Invalid indices (negative, or ``>= x.shape[0]``) gather zeros, so
+    ``from_dense(x, i).to_dense()`` is ``x`` masked to the valid rows
+    (duplicates counted as often as they appear).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> x = jnp.arange(6.0).reshape(3, 2)
+      >>> jaxslices.from_dense(x, jnp.array([2, 0])).values
+      Array([[4., 5.],
+             [0., 1.]], dtype=float32)
+    """
+    x = jnp.asarray(x)
+    if x.ndim < 1:
+        raise ValueError(
+            f"from_dense: `x` must have at least one dimension, got a scalar "
+            f"(shape {x.shape})."
+        )
+    indices = jnp.asarray(indices)
+    s = IndexedSlices(
+        jnp.zeros((indices.shape[0] if indices.ndim else 0, *x.shape[1:]), x.dtype),
+        indices,
+        x.shape,
+    )
+    values = x.at[safe_indices(s)].get(mode="fill", fill_value=0)
+    return _replace_values(s, values)
+
+
+def concatenate(slices: Sequence[IndexedSlices]) -> IndexedSlices:
+    """Concatenate slices of one dense shape (TF's gradient aggregation)."""
+    slices = list(slices)
+    if not slices:
+        raise ValueError("concatenate: need at least one IndexedSlices, got none.")
+    first = slices[0]
+    for i, s in enumerate(slices):
+        check_slices(s, "concatenate")
+        if s.dense_shape != first.dense_shape:
+            raise ValueError(
+                "IndexedSlices + IndexedSlices: both must have the same dense "
+                f"shape, got {first.dense_shape} and {s.dense_shape} (operand {i})."
+            )
+    if len(slices) == 1:
+        return first
+    dtype = jnp.result_type(*[s.values.dtype for s in slices])
+    itype = jnp.result_type(*[s.indices.dtype for s in slices])
+    return IndexedSlices(
+        jnp.concatenate([s.values.astype(dtype) for s in slices]),
+        jnp.concatenate([s.indices.astype(itype) for s in slices]),
+        first.dense_shape,
+    )
+
+
+def _sort_by_index(s: IndexedSlices) -> tuple[jax.Array, jax.Array]:
+    """Stable sort of the safe indices: returns (sorted_indices, permutation)."""
+    idx = safe_indices(s)
+    iota = jnp.arange(idx.shape[0], dtype=jnp.int32)
+    sorted_idx, perm = jax.lax.sort((idx, iota), num_keys=1, is_stable=True)
+    return sorted_idx, perm
+
+
+def coalesce(s: IndexedSlices) -> IndexedSlices:
+    """Sum duplicate indices: sorted unique indices, same static size ``N``.
+
+    The result has the same dense equivalent. Its first ``u`` slots hold the
+    ``u`` distinct valid indices in increasing order with their summed rows;
+    the remaining ``N - u`` slots are padding (index ``dense_shape[0]``, values
+    zero). Invalid indices are dropped (become padding). Deterministic: rows
+    are summed in order of appearance on every backend.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> vals, ids = jnp.array([1., 2., 3.]), jnp.array([4, 1, 4])
+      >>> s = jaxslices.IndexedSlices(vals, ids, (5,))
+      >>> c = jaxslices.coalesce(s)
+      >>> c.indices, c.values
+      (Array([1, 4, 5], dtype=int32), Array([2., 4., 0.], dtype=float32))
+    """
+    check_slices(s, "coalesce")
+    n = s.num_slices
+    v = s.dense_shape[0]
+    if n == 0:
+        return s
+    sorted_idx, perm = _sort_by_index(s)
+    is_new = jnp.concatenate([jnp.ones((1,), bool), sorted_idx[1:] != sorted_idx[:-1]])
+    segment = jnp.cumsum(is_new.astype(jnp.int32)) - 1
+    values = _segment_sum_sorted(s.values[perm], segment, n)
+    # Padding and invalid slots sort last (safe index V) and form one segment.
+    unique_idx = jnp.full((n,), v, s.indices.dtype)
+    unique_idx = unique_idx.at[segment].set(sorted_idx, mode="drop")
+    # The padding segment (if any) holds the sum of padding rows: zero it.
+    values = jnp.where(
+        _expand(unique_idx == v, values.ndim), jnp.zeros((), values.dtype), values
+    )
+    return IndexedSlices(values, unique_idx, s.dense_shape)
+
+
+def _expand(mask: jax.Array, ndim: int) -> jax.Array:
+    return mask.reshape(mask.shape + (1,) * (ndim - 1))
+
+
+def _segment_sum_sorted(values: jax.Array, segment: jax.Array, n: int) -> jax.Array:
+    """Sum rows by sorted segment id, deterministically.
+
+    Accumulates in float32 at least, so bf16/f16 duplicates do not lose
+    precision, then casts back.
+    """
+    acc = jnp.promote_types(values.dtype, jnp.float32)
+    out = jax.ops.segment_sum(
+        values.astype(acc), segment, num_segments=n, indices_are_sorted=True
+    )
+    return out.astype(values.dtype)
+
+
+def sparse_mask(s: IndexedSlices, mask_indices: Any) -> IndexedSlices:
+    """Remove the slices whose index is in ``mask_indices`` (TF semantics).
+
+    Removed slots become padding (index ``dense_shape[0]``, values zero), so the
+    static size is unchanged.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> s = jaxslices.IndexedSlices(jnp.ones((3, 1)), jnp.array([0, 2, 3]), (4, 1))
+      >>> jaxslices.sparse_mask(s, jnp.array([2])).indices
+      Array([0, 4, 3], dtype=int32)
+    """
+    check_slices(s, "sparse_mask")
+    mask_indices = jnp.asarray(mask_indices)
+    if not jnp.issubdtype(mask_indices.dtype, jnp.integer):
+        raise TypeError(
+            "sparse_mask: `mask_indices` must be integers, got "
+            f"{jnp.dtype(mask_indices.dtype).name}{list(mask_indices.shape)}."
+        )
+    mask_indices = mask_indices.reshape(-1)
+    if mask_indices.shape[0] == 0:
+        return s
+    m = jnp.sort(mask_indices.astype(s.indices.dtype))
+    pos = jnp.clip(jnp.searchsorted(m, s.indices), 0, m.shape[0] - 1)
+    hit = m[pos] == s.indices
+    v = s.dense_shape[0]
+    indices = jnp.where(hit, jnp.asarray(v, s.indices.dtype), s.indices)
+    values = jnp.where(_expand(hit, s.values.ndim), jnp.zeros((), s.dtype), s.values)
+    return IndexedSlices(values, indices, s.dense_shape)
+
+
+def sum_of_squares(x: Any) -> jax.Array:
+    """Exact squared L2 norm of the dense equivalent of ``x`` (array or slices)."""
+    if isinstance(x, IndexedSlices):
+        c = coalesce(x)
+        vals = c.values.astype(jnp.promote_types(c.dtype, jnp.float32))
+        return jnp.sum(jnp.real(vals * jnp.conj(vals)))
+    x = jnp.asarray(x)
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return jnp.sum(jnp.real(x * jnp.conj(x)))
+
+
+def global_norm(tree: Any) -> jax.Array:
+    """Exact L2 norm of the dense equivalent of every leaf of ``tree``.
+
+    Duplicate indices are summed before squaring (unlike ``tf.linalg.global_norm``,
+    which squares the raw values and under-reports the norm when ids repeat).
+    Padding and invalid slots are ignored. Computed in at least float32.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> vals, ids = jnp.array([[3.], [3.]]), jnp.array([0, 0])
+      >>> s = jaxslices.IndexedSlices(vals, ids, (2, 1))
+      >>> float(jaxslices.global_norm({"emb": s, "w": jnp.array([8.0])}))
+      10.0
+    """
+    leaves = jax.tree.leaves(tree, is_leaf=is_indexed_slices)
+    if not leaves:
+        return jnp.zeros((), jnp.float32)
+    return jnp.sqrt(sum(sum_of_squares(x) for x in leaves))
+
+
+def _check_target(x: Any, s: IndexedSlices, where: str) -> jax.Array:
+    check_slices(s, where)
+    x = jnp.asarray(x)
+    if tuple(x.shape) != s.dense_shape:
+        raise ValueError(
+            f"{where}: `x` must have the slices' dense shape {s.dense_shape}, got "
+            f"shape {tuple(x.shape)}."
+        )
+    return x
+
+
+def scatter_add(x: jax.Array, s: IndexedSlices) -> jax.Array:
+    """``x.at[s.indices].add(s.values)`` with padding and invalid slots dropped.
+
+    The result keeps ``x``'s dtype. Under ``jax.jit`` with ``x`` donated the
+    update happens in place.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> s = jaxslices.IndexedSlices(jnp.ones((2,)), jnp.array([1, 1]), (3,))
+      >>> jaxslices.scatter_add(jnp.zeros(3), s)
+      Array([0., 2., 0.], dtype=float32)
+    """
+    x = _check_target(x, s, "scatter_add")
+    return x.at[safe_indices(s)].add(s.values.astype(x.dtype), mode="drop")
+
+
+def scatter_sub(x: jax.Array, s: IndexedSlices) -> jax.Array:
+    """``x.at[s.indices].add(-s.values)`` with padding and invalid slots dropped."""
+    x = _check_target(x, s, "scatter_sub")
+    return x.at[safe_indices(s)].add(-s.values.astype(x.dtype), mode="drop")
+
+
+def scatter_update(x: jax.Array, s: IndexedSlices) -> jax.Array:
+    """Overwrite rows: ``x[i] = v`` for each slice; padding and invalid dropped.
+
+    With duplicate indices the **last** occurrence wins, deterministically on
+    every backend (XLA leaves the order of colliding writes unspecified, so
+    earlier duplicates are removed before the scatter).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> s = jaxslices.IndexedSlices(jnp.array([1., 2.]), jnp.array([0, 0]), (2,))
+      >>> jaxslices.scatter_update(jnp.zeros(2), s)
+      Array([2., 0.], dtype=float32)
+    """
+    x = _check_target(x, s, "scatter_update")
+    n = s.num_slices
+    if n == 0:
+        return x
+    sorted_idx, perm = _sort_by_index(s)
+    is_last = jnp.concatenate([sorted_idx[1:] != sorted_idx[:-1], jnp.ones((1,), bool)])
+    v = s.dense_shape[0]
+    target = jnp.where(is_last, sorted_idx, jnp.asarray(v, sorted_idx.dtype))
+    values = s.values[perm].astype(x.dtype)
+    return x.at[target].set(values, mode="drop", unique_indices=False)

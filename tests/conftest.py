@@ -1,0 +1,15 @@
+"""Test configuration: 8 CPU devices for sharding tests, hypothesis profiles."""
+
+import os
+
+# Must be set before JAX initialises its backends.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import hypothesis  # noqa: E402
+
+hypothesis.settings.register_profile(
+    "ci", max_examples=25, deadline=None, derandomize=True, print_blob=True
+)
+hypothesis.settings.register_profile("dev", max_examples=50, deadline=None)
+hypothesis.settings.load_profile("ci" if os.environ.get("CI") else "dev")

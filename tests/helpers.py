@@ -1,0 +1,55 @@
+"""Shared test helpers: random slices with repeats and padding, tolerances."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxslices import IndexedSlices
+
+FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+ROW_SHAPES = [(), (3,), (2, 3)]
+
+
+def tol(dtype) -> dict:
+    """assert_allclose tolerances suited to ``dtype``."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16:
+        return dict(rtol=2e-2, atol=2e-2)
+    if dtype == jnp.float16:
+        return dict(rtol=5e-3, atol=5e-3)
+    return dict(rtol=1e-5, atol=1e-5)
+
+
+def random_slices(
+    rng: np.random.Generator,
+    num_rows: int = 7,
+    n: int = 12,
+    row_shape: tuple[int, ...] = (3,),
+    dtype=jnp.float32,
+    padding: int = 2,
+    index_dtype=np.int32,
+) -> IndexedSlices:
+    """Slices with repeated ids (drawn from a few rows) and ``padding`` pad slots."""
+    few = max(1, num_rows // 2)
+    idx = rng.integers(0, few, size=n).astype(index_dtype)
+    if padding:
+        pad_at = rng.choice(n, size=min(padding, n), replace=False)
+        idx[pad_at] = num_rows
+    values = rng.normal(size=(n, *row_shape)).astype(np.float32)
+    if padding:
+        values[idx == num_rows] = 0.0
+    return IndexedSlices(
+        jnp.asarray(values, dtype), jnp.asarray(idx), (num_rows, *row_shape)
+    )
+
+
+def dense_reference(s: IndexedSlices) -> np.ndarray:
+    """NumPy float64 dense equivalent: valid rows summed, everything else dropped."""
+    out = np.zeros(s.dense_shape, np.float64)
+    idx = np.asarray(s.indices)
+    vals = np.asarray(s.values.astype(jnp.float32), np.float64)
+    for i, v in zip(idx, vals, strict=True):
+        if 0 <= i < s.dense_shape[0]:
+            out[i] += v
+    return out
