@@ -9,6 +9,11 @@ in place, so a step costs what the batch touches, not what the table holds.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .autodiff import grad as grad
+from .autodiff import value_and_grad as value_and_grad
+from .embedding import check_ids as check_ids
+from .embedding import embedding_bag as embedding_bag
+from .embedding import embedding_lookup as embedding_lookup
 from .slices import IndexedSlices as IndexedSlices
 from .slices import coalesce as coalesce
 from .slices import concatenate as concatenate
@@ -28,6 +33,11 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "IndexedSlices",
+    "check_ids",
+    "embedding_bag",
+    "embedding_lookup",
+    "grad",
+    "value_and_grad",
     "coalesce",
     "concatenate",
     "from_dense",

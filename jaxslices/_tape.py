@@ -1,0 +1,135 @@
+"""Internal: the "tape" that connects embedding lookups to ``value_and_grad``.
+
+This is the one small interface behind which the sparse-gradient mechanism
+lives (see ``docs/sparse_gradients.md``). ``embedding_lookup`` asks the active
+tape, if any, to handle a lookup; ``value_and_grad`` runs the loss under a tape
+in one of two modes:
+
+* ``discover``: record which parameter leaves are looked up at the loss's top
+  level, with the shapes of their ids; mark leaves seen in nested scopes
+  (``scan``, ``vmap``, ``cond``, inner ``jit``, ``checkpoint``) as dense.
+* ``tap``: replace each recorded lookup by ``stop_gradient(table)[ids] + tap``,
+  so that the cotangent of ``tap`` is exactly the row gradient, and collect the
+  ids.
+
+A future backend (JAX's backward-pass logs) would replace this module only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+try:  # public since JAX 0.4.36 (stackless tracing)
+    from jax.extend.core import get_opaque_trace_state as _trace_state
+except ImportError:  # pragma: no cover - older or newer layouts
+    from jax._src.core import get_opaque_trace_state as _trace_state
+
+
+def trace_state() -> Any:
+    """An opaque token for the current trace, comparable with ``==``."""
+    return _trace_state(convention="jaxslices")
+
+
+@dataclasses.dataclass
+class LookupRecord:
+    leaf: int
+    ids_shape: tuple[int, ...]
+    row_shape: tuple[int, ...]
+    dtype: Any
+
+
+@dataclasses.dataclass
+class Tape:
+    """State of one pass of ``value_and_grad`` over the loss."""
+
+    mode: str  # "discover" or "tap"
+    candidates: list[Any]  # leaf objects (tracers or arrays), compared with `is`
+    state: Any = None
+    records: list[LookupRecord] = dataclasses.field(default_factory=list)
+    nested: set[int] = dataclasses.field(default_factory=set)
+    # tap mode
+    sparse_leaves: frozenset[int] = frozenset()
+    taps: list[Any] = dataclasses.field(default_factory=list)
+    expected: list[LookupRecord] = dataclasses.field(default_factory=list)
+    ids: list[Any] = dataclasses.field(default_factory=list)
+    cursor: int = 0
+
+    def leaf_of(self, table: Any) -> int | None:
+        for k, leaf in enumerate(self.candidates):
+            if leaf is table:
+                return k
+        return None
+
+    def lookup(
+        self, table: Any, ids: jax.Array, gather: Callable[[Any, jax.Array], Any]
+    ) -> Any | None:
+        """Handle a lookup, or return ``None`` to let the caller do a plain one."""
+        k = self.leaf_of(table)
+        if k is None:
+            return None
+        if trace_state() != self.state:
+            # Inside scan/vmap/cond/jit/checkpoint: a tap closed over there would
+            # receive a sum over iterations or batch elements. Fall back to dense.
+            self.nested.add(k)
+            return None
+        if self.mode == "discover":
+            self.records.append(
+                LookupRecord(k, tuple(ids.shape), tuple(table.shape[1:]), table.dtype)
+            )
+            return None
+        if k not in self.sparse_leaves:
+            return None
+        if self.cursor >= len(self.expected):
+            raise RuntimeError(_NONDETERMINISTIC)
+        rec = self.expected[self.cursor]
+        if rec.leaf != k or rec.ids_shape != tuple(ids.shape):
+            raise RuntimeError(_NONDETERMINISTIC)
+        tap = self.taps[self.cursor]
+        self.cursor += 1
+        self.ids.append(ids)
+        return gather(jax.lax.stop_gradient(table), ids) + tap
+
+
+_NONDETERMINISTIC = (
+    "jaxslices.value_and_grad: the loss function made different embedding lookups "
+    "on different traces. The loss is traced several times (to discover lookups, "
+    "then to differentiate); it must make the same lookups, in the same order and "
+    "with the same id shapes, every time it is traced."
+)
+
+_STACK: list[Tape] = []
+
+
+def current() -> Tape | None:
+    return _STACK[-1] if _STACK else None
+
+
+@contextmanager
+def active(tape: Tape) -> Iterator[Tape]:
+    tape.state = trace_state()
+    _STACK.append(tape)
+    try:
+        yield tape
+    finally:
+        _STACK.pop()
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """Run code (e.g. an inner ``value_and_grad``) with no tape active."""
+    saved = list(_STACK)
+    _STACK.clear()
+    try:
+        yield
+    finally:
+        _STACK[:] = saved
+
+
+def zeros_tap(rec: LookupRecord) -> jax.Array:
+    return jnp.zeros(rec.ids_shape + rec.row_shape, rec.dtype)
