@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 
 try:  # public since JAX 0.4.36 (stackless tracing)
     from jax.extend.core import get_opaque_trace_state as _trace_state
@@ -73,11 +74,42 @@ class Tape:
         k = self.leaf_of(table)
         if k is None:
             return None
-        if trace_state() != self.state:
-            # Inside scan/vmap/cond/jit/checkpoint: a tap closed over there would
-            # receive a sum over iterations or batch elements. Fall back to dense.
-            self.nested.add(k)
+        if trace_state() == self.state:
+            return self._top_level(k, table, ids, gather)
+        if self.mode == "tap" and k not in self.sparse_leaves:
             return None
+        return self._maybe_batched(k, table, ids, gather)
+
+    def _maybe_batched(self, k, table, ids, gather):
+        """A lookup below the top level: sparse only directly under one ``vmap``.
+
+        A tap closed over by a ``scan`` body or a ``vmap``ped function would
+        receive a sum over iterations or batch elements while the ids differ.
+        ``custom_vmap`` hands us the whole batch of ids at the level of the
+        ``vmap`` call; if that level is the loss's top level, the batched lookup
+        is tapped there like any other. Anything else (``scan``, ``cond``, inner
+        ``jit``, ``checkpoint``, nested ``vmap``) falls back to dense.
+        """
+        handled: list[bool] = []
+
+        @custom_vmap
+        def lookup(ids):
+            return gather(table, ids)
+
+        @lookup.def_vmap
+        def rule(axis_size, in_batched, ids):
+            if trace_state() != self.state:
+                return jax.vmap(lambda i: gather(table, i))(ids), True
+            handled.append(True)
+            out = self._top_level(k, table, ids, gather)
+            return (gather(table, ids) if out is None else out), True
+
+        out = lookup(ids)
+        if not handled:
+            self.nested.add(k)
+        return out
+
+    def _top_level(self, k, table, ids, gather):
         if self.mode == "discover":
             self.records.append(
                 LookupRecord(k, tuple(ids.shape), tuple(table.shape[1:]), table.dtype)
