@@ -473,7 +473,7 @@ def coalesce(s: IndexedSlices) -> IndexedSlices:
     sorted_idx, perm = _sort_by_index(s)
     is_new = jnp.concatenate([jnp.ones((1,), bool), sorted_idx[1:] != sorted_idx[:-1]])
     segment = jnp.cumsum(is_new.astype(jnp.int32)) - 1
-    values = _segment_sum_sorted(s.values[perm], segment, n)
+    values = _segment_sum_sorted(s.values[perm], segment, n).astype(s.dtype)
     # Padding and invalid slots sort last (safe index V) and form one segment.
     unique_idx = jnp.full((n,), v, s.indices.dtype)
     unique_idx = unique_idx.at[segment].set(sorted_idx, mode="drop")
@@ -489,16 +489,48 @@ def _expand(mask: jax.Array, ndim: int) -> jax.Array:
 
 
 def _segment_sum_sorted(values: jax.Array, segment: jax.Array, n: int) -> jax.Array:
-    """Sum rows by sorted segment id, deterministically.
+    """Sum rows by sorted segment id, deterministically on every backend.
 
     Accumulates in float32 at least, so bf16/f16 duplicates do not lose
-    precision, then casts back.
+    precision (the caller casts back). On CPU and TPU a sorted ``segment_sum``
+    is deterministic (scatters run in order). On GPU XLA's scatter-add uses
+    atomics whose order changes from run to run, so there
+    :func:`_segment_sum_by_scan` is used instead.
     """
-    acc = jnp.promote_types(values.dtype, jnp.float32)
-    out = jax.ops.segment_sum(
-        values.astype(acc), segment, num_segments=n, indices_are_sorted=True
+    values = values.astype(jnp.promote_types(values.dtype, jnp.float32))
+    return jax.lax.platform_dependent(
+        values,
+        segment,
+        cuda=lambda v, s: _segment_sum_by_scan(v, s, n),
+        rocm=lambda v, s: _segment_sum_by_scan(v, s, n),
+        default=lambda v, s: _segment_sum_by_scatter(v, s, n),
     )
-    return out.astype(values.dtype)
+
+
+def _segment_sum_by_scatter(values: jax.Array, segment: jax.Array, n: int):
+    return jax.ops.segment_sum(values, segment, num_segments=n, indices_are_sorted=True)
+
+
+def _segment_sum_by_scan(values: jax.Array, segment: jax.Array, n: int):
+    """Segmented sum with a fixed summation tree: same bits on every run.
+
+    A segmented inclusive ``associative_scan`` restarts at each new segment; the
+    last element of each segment then holds its total, which is written to the
+    segment's own slot (no two writes collide).
+    """
+    starts = jnp.concatenate([jnp.ones((1,), bool), segment[1:] != segment[:-1]])
+    ends = jnp.concatenate([segment[1:] != segment[:-1], jnp.ones((1,), bool)])
+
+    def combine(a, b):
+        (start_a, sum_a), (start_b, sum_b) = a, b
+        return start_a | start_b, jnp.where(
+            _expand(start_b, sum_b.ndim), sum_b, sum_a + sum_b
+        )
+
+    _, running = jax.lax.associative_scan(combine, (starts, values))
+    target = jnp.where(ends, segment, n)
+    out = jnp.zeros((n, *values.shape[1:]), values.dtype)
+    return out.at[target].set(running, mode="drop", unique_indices=True)
 
 
 def sparse_mask(s: IndexedSlices, mask_indices: Any) -> IndexedSlices:
