@@ -151,7 +151,7 @@ def value_and_grad(
 
         jax.eval_shape(discover_fn, *[leaves[k] for k in candidates])
         looked_up = {r.leaf for r in discover.records}
-        sparse = sorted(looked_up - discover.nested)
+        sparse = sorted((looked_up - discover.nested) & set(candidates))
         if not sparse:
             return dense_fallback()
         records = [r for r in discover.records if r.leaf in sparse]
