@@ -1,0 +1,94 @@
+"""``apply_updates``: add an updates tree with ``IndexedSlices`` leaves to params.
+
+The ``scatter_*`` family lives in :mod:`jaxslices.slices`; this module applies a
+whole updates tree, as :func:`optax.apply_updates` does, with a row scatter for
+every sparse leaf so that, under ``jax.jit(..., donate_argnums=...)``, a table
+is updated in place and a step costs what the batch touches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import slices
+from .slices import IndexedSlices, check_slices
+
+__all__ = ["apply_updates"]
+
+_WHERE = "jaxslices.apply_updates"
+
+
+def _apply_leaf(path: Any, p: Any, u: Any) -> Any:
+    where = f"{_WHERE} (leaf {jax.tree_util.keystr(path) or '<root>'})"
+    if p is None:
+        return None
+    if u is None:
+        return p
+    if isinstance(u, IndexedSlices):
+        check_slices(u, where)
+    p = jnp.asarray(p)
+    u_shape = u.shape if isinstance(u, IndexedSlices) else jnp.shape(u)
+    if tuple(p.shape) != tuple(u_shape):
+        kind = "update has shape"
+        if isinstance(u, IndexedSlices):
+            kind = "IndexedSlices update has dense shape"
+        raise ValueError(
+            f"{where}: the parameter has shape {tuple(p.shape)} but the {kind} "
+            f"{tuple(u_shape)}. Updates must have their parameter's shape (for "
+            "slices: dense_shape == param.shape); were the updates computed for "
+            "these params?"
+        )
+    if isinstance(u, IndexedSlices):
+        return slices.scatter_add(p, u)
+    return (p + u).astype(p.dtype)
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+    """Add ``updates`` to ``params``, leaf by leaf; sparse leaves by scatter-add.
+
+    For an :class:`~jaxslices.IndexedSlices` update this is
+    ``param.at[indices].add(values)`` (duplicates summed, padding and invalid
+    slots dropped, values cast to the parameter's dtype first): under
+    ``jax.jit(step, donate_argnums=...)`` with the params donated, the table
+    is updated in place and only the touched rows are read and written. A
+    dense update is added as :func:`optax.apply_updates` does, ``(p +
+    u).astype(p.dtype)``. A ``None`` parameter stays ``None``; a ``None``
+    update leaves its parameter unchanged.
+
+    :func:`optax.apply_updates` also works with slices updates (it computes
+    ``p + u``, which ``IndexedSlices`` turns into a scatter-add); this function
+    adds the integer-indices guard and error messages that name the leaf.
+
+    Args:
+      params: a tree of arrays.
+      updates: a tree of the same structure whose leaves are arrays of the
+        parameter's shape, ``IndexedSlices`` whose ``dense_shape`` is the
+        parameter's shape, or ``None``.
+
+    Returns:
+      The updated params, each leaf in its original dtype.
+
+    Raises:
+      ValueError: the trees differ (the message names the first leaf that is in
+        one but not the other), or an update's (dense) shape is not its
+        parameter's shape.
+      TypeError: a slices leaf has non-integer indices (a stock leaf-wise Optax
+        transform mapped over them).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> params = {"emb": jnp.zeros((3, 2)), "b": jnp.zeros(2)}
+      >>> upd = jaxslices.IndexedSlices(jnp.ones((2, 2)), jnp.array([1, 3]), (3, 2))
+      >>> new = jaxslices.apply_updates(params, {"emb": upd, "b": jnp.ones(2)})
+      >>> new["emb"]
+      Array([[0., 0.],
+             [1., 1.],
+             [0., 0.]], dtype=float32)
+    """
+    slices._check_tree_match(_WHERE, params, "params", updates, "updates")
+    return jax.tree_util.tree_map_with_path(
+        _apply_leaf, params, updates, is_leaf=lambda x: x is None
+    )
