@@ -25,6 +25,21 @@ from .slices import scatter_sub as scatter_sub
 from .slices import scatter_update as scatter_update
 from .slices import sparse_mask as sparse_mask
 from .slices import to_dense as to_dense
+from .transforms import adagrad as adagrad
+from .transforms import add_decayed_weights as add_decayed_weights
+from .transforms import clip as clip
+from .transforms import clip_by_global_norm as clip_by_global_norm
+from .transforms import clip_by_row_norm as clip_by_row_norm
+from .transforms import lazy_adam as lazy_adam
+from .transforms import lazy_adamw as lazy_adamw
+from .transforms import scale as scale
+from .transforms import scale_by_lazy_adam as scale_by_lazy_adam
+from .transforms import scale_by_learning_rate as scale_by_learning_rate
+from .transforms import scale_by_rss as scale_by_rss
+from .transforms import scale_by_schedule as scale_by_schedule
+from .transforms import sgd as sgd
+from .transforms import trace as trace
+from .updates import apply_updates as apply_updates
 
 try:
     __version__ = version("jaxslices")
@@ -48,4 +63,19 @@ __all__ = [
     "scatter_update",
     "sparse_mask",
     "to_dense",
+    "apply_updates",
+    "add_decayed_weights",
+    "adagrad",
+    "clip",
+    "clip_by_global_norm",
+    "clip_by_row_norm",
+    "lazy_adam",
+    "lazy_adamw",
+    "scale",
+    "scale_by_lazy_adam",
+    "scale_by_learning_rate",
+    "scale_by_rss",
+    "scale_by_schedule",
+    "sgd",
+    "trace",
 ]

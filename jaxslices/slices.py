@@ -651,3 +651,35 @@ def scatter_update(x: jax.Array, s: IndexedSlices) -> jax.Array:
     target = jnp.where(is_last, sorted_idx, jnp.asarray(v, sorted_idx.dtype))
     values = s.values[perm].astype(x.dtype)
     return x.at[target].set(values, mode="drop", unique_indices=False)
+
+
+def _check_tree_match(where: str, tree: Any, name: str, other: Any, other_name: str):
+    """Raise a ``ValueError`` naming the first tree path where two trees differ.
+
+    ``None`` and ``IndexedSlices`` count as leaves in both trees, so an
+    ``IndexedSlices`` update matches a dense parameter or state array.
+    """
+
+    def paths(t):
+        leaves = jax.tree_util.tree_flatten_with_path(
+            t, is_leaf=lambda x: x is None or isinstance(x, IndexedSlices)
+        )[0]
+        return [jax.tree_util.keystr(p) for p, _ in leaves]
+
+    a, b = paths(tree), paths(other)
+    if a == b:
+        return
+    only_a = [p for p in a if p not in set(b)]
+    only_b = [p for p in b if p not in set(a)]
+    if only_a or only_b:
+        detail = (
+            f"leaf {(only_a or only_b)[0] or '<root>'} is in `"
+            f"{name if only_a else other_name}` but not in `"
+            f"{other_name if only_a else name}`"
+        )
+    else:
+        detail = "the same leaves are in a different order"
+    raise ValueError(
+        f"{where}: `{name}` and `{other_name}` must have the same tree structure; "
+        f"{detail} ({len(a)} leaves vs {len(b)})."
+    )
