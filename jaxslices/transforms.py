@@ -26,6 +26,7 @@ Conventions (see ``docs/optax.md``):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -763,6 +764,16 @@ def adagrad(
 # -------------------------------------------------------------- lazy adam
 
 
+@functools.partial(jax.jit, inline=True)
+def _bias_correction(decay: ArrayLike, count: jax.Array) -> jax.Array:
+    """``1 - decay**count``, once per step and in float32 (Optax computes it so)."""
+    return 1 - decay**count
+
+
+def _debias(moment: jax.Array, correction: jax.Array) -> jax.Array:
+    return moment / correction.astype(moment.dtype)
+
+
 class ScaleByLazyAdamState(NamedTuple):
     """State of :func:`scale_by_lazy_adam`: global step count and dense moments."""
 
@@ -824,23 +835,26 @@ def scale_by_lazy_adam(
             nu=_zeros_like(params),
         )
 
-    def adam_rows(g, m, v, count):
+    def adam_rows(g, m, v, bc):
         """Adam on aligned arrays: returns (update, new mu, new nu)."""
         mu = optax.tree.update_moment(g, m, b1, 1)
         nu = optax.tree.update_moment_per_elem_norm(g, v, b2, 2)
         if nesterov:
-            mu_hat = b1 * optax.tree.bias_correction(
-                mu, b1, optax.safe_increment(count)
-            ) + (1 - b1) * optax.tree.bias_correction(g, b1, count)
+            mu_hat = b1 * _debias(mu, bc["mu_next"]) + (1 - b1) * _debias(g, bc["mu"])
         else:
-            mu_hat = optax.tree.bias_correction(mu, b1, count)
-        nu_hat = optax.tree.bias_correction(nu, b2, count)
-        upd = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
+            mu_hat = _debias(mu, bc["mu"])
+        upd = mu_hat / (jnp.sqrt(_debias(nu, bc["nu"]) + eps_root) + eps)
         return upd, mu if mu_dtype is None else mu.astype(mu_dtype), nu.astype(v.dtype)
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         count = optax.safe_increment(state.count)
+        # One global step count for every leaf and row (see the docstring).
+        bc = {
+            "mu": _bias_correction(b1, count),
+            "mu_next": _bias_correction(b1, optax.safe_increment(count)),
+            "nu": _bias_correction(b2, count),
+        }
 
         def leaf(path, g, m, v):
             if g is None:
@@ -848,9 +862,9 @@ def scale_by_lazy_adam(
             _check_leaf("scale_by_lazy_adam", path, g, m, "state.mu")
             _check_leaf("scale_by_lazy_adam", path, g, v, "state.nu")
             if not isinstance(g, IndexedSlices):
-                return _Out(*adam_rows(g, m, v, count))
+                return _Out(*adam_rows(g, m, v, bc))
             c = _coalesce_for_update(g)
-            upd, mu, nu = adam_rows(c.values, _rows(m, c), _rows(v, c), count)
+            upd, mu, nu = adam_rows(c.values, _rows(m, c), _rows(v, c), bc)
             return _Out(
                 _replace_values(c, _mask_padding(c, upd)),
                 _set_rows(m, c, mu),
