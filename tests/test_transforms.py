@@ -494,6 +494,18 @@ def test_scale_keeps_low_precision_values():
         assert u.values.dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("name", list(ALL))
+def test_none_updates_pass_through(name):
+    rng = np.random.default_rng(25)
+    params = make_params(rng)
+    grads = make_grads(rng, 2)
+    for g in grads:
+        g["w"] = None
+    got, _ = run(ALL[name](), params, grads)
+    np.testing.assert_array_equal(got["w"], params["w"])
+    assert not np.array_equal(got["b"], params["b"])
+
+
 # --------------------------------------------------- init, retracing, donation
 
 
@@ -745,7 +757,7 @@ def test_apply_if_finite_skips_non_finite_sparse_steps():
     grads = make_grads(rng, steps=3)
     bad = dict(grads[1])
     bad["emb"] = slices_mod._replace_values(
-        bad["emb"], bad["emb"].values.at[0, 0].set(jnp.nan)
+        bad["emb"], bad["emb"].values.at[0, 0].set(jnp.nan, mode="promise_in_bounds")
     )
     tx = optax.apply_if_finite(js.lazy_adam(0.1), max_consecutive_errors=2)
     step = jax.jit(make_step(tx), donate_argnums=(0, 1))
