@@ -167,7 +167,10 @@ def test_dense_trees_bitwise_equal_optax(name, dtype):
     ours, theirs = PAIRS[name]()
     got, _ = run(ours, params, grads)
     want, _ = run(theirs, params, grads, apply=optax.apply_updates)
-    assert_trees_close(got, want, exact=True)
+    # The global norm is summed in float32 (Optax: in the leaf dtype), so on
+    # bfloat16 leaves it may differ in the last bit (seen on GPU).
+    exact = not (name == "clip_by_global_norm" and dtype == jnp.bfloat16)
+    assert_trees_close(got, want, dtype, exact=exact)
 
 
 # ----------------------------------------- sparse == Optax on the dense gradient

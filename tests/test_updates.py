@@ -72,8 +72,9 @@ def test_optax_apply_updates_works_with_slices():
     updates, _ = tx.update(grads, tx.init(params), params)
     ours = js.apply_updates(params, updates)
     theirs = optax.apply_updates(params, updates)
+    # Same scatter-add; on GPU its duplicate ids sum in no fixed order.
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_in_place_under_donation():
