@@ -1,0 +1,106 @@
+"""Every example runs with tiny settings and reports sensible metrics."""
+
+import importlib
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+data = importlib.import_module("data")
+
+
+def _has(package):
+    try:
+        data.packaged_file(package, "")
+        return True
+    except data.DataNotFound:
+        return False
+
+
+needs_recbole = pytest.mark.skipif(
+    not _has("recbole"), reason="pip install --no-deps recbole==1.2.1 (CI installs it)"
+)
+needs_gensim = pytest.mark.skipif(
+    not _has("gensim"), reason="pip install --no-deps gensim==4.4.0 (CI installs it)"
+)
+
+
+def test_quickstart():
+    out = importlib.import_module("quickstart").main()
+    assert (
+        out["exact_norm"] < out["naive_norm"] or out["exact_norm"] > out["naive_norm"]
+    )
+
+
+@needs_recbole
+def test_movielens_tiny(tmp_path):
+    movielens = importlib.import_module("movielens")
+    r = movielens.main(epochs=1, max_steps=25, out=str(tmp_path), progress=False)
+    for path in ("sparse", "dense"):
+        assert math.isfinite(r[path]["test_rmse"]) and r[path]["steps"] == 25
+    # Adagrad is exact on both paths: same model, same numbers.
+    assert r["sparse"]["test_rmse"] == pytest.approx(r["dense"]["test_rmse"], abs=1e-3)
+    assert r["global_mean_rmse"] > r["item_mean_rmse"] > 0.9
+    assert (tmp_path / "movielens.png").stat().st_size > 1000
+
+
+@needs_recbole
+def test_movielens_loader_matches_the_file():
+    ds = data.load_movielens()
+    assert len(ds["rating"]) == 100_000
+    assert int(ds["num_users"]) == 943 and int(ds["num_items"]) == 1682
+    assert ds["rating"].min() == 1 and ds["rating"].max() == 5
+
+
+def test_missing_data_says_what_to_install(monkeypatch):
+    def missing(name):
+        raise data.PackageNotFoundError(name)
+
+    monkeypatch.setattr(data, "distribution", missing)
+    with pytest.raises(data.DataNotFound, match="pip install --no-deps recbole==1.2.1"):
+        data.load_movielens()
+    with pytest.raises(data.DataNotFound, match="gensim"):
+        data.load_lee_corpus()
+
+
+def test_demo_falls_back_to_synthetic_data(monkeypatch, tmp_path, capsys):
+    demo = importlib.import_module("demo")
+
+    def missing(path=None):
+        raise data.DataNotFound("not installed")
+
+    monkeypatch.setattr(data, "movielens_path", missing)
+    movielens = importlib.import_module("movielens")
+    real_main = movielens.main
+    monkeypatch.setattr(
+        movielens, "main", lambda **kw: real_main(**{**kw, "max_steps": 10})
+    )
+    r = demo.main(epochs=1, out=str(tmp_path), progress=False)
+    assert "synthetic ratings" in capsys.readouterr().out
+    assert math.isfinite(r["sparse"]["test_rmse"])
+
+
+@needs_gensim
+def test_word2vec_tiny(tmp_path):
+    word2vec = importlib.import_module("word2vec")
+    r = word2vec.main(epochs=1, max_steps=15, out=str(tmp_path), progress=False)
+    assert r["steps"] == 15 and r["vocab"] > 1000
+    assert math.isfinite(r["wordsim_spearman"]) and r["wordsim_pairs"] > 50
+    assert r["losses"][-1] < r["losses"][0]
+    assert (tmp_path / "word2vec.png").stat().st_size > 1000
+
+
+def test_spearman_matches_definition():
+    word2vec = importlib.import_module("word2vec")
+    import numpy as np
+
+    a = np.array([1.0, 2.0, 3.0, 4.0])
+    assert word2vec.spearman(a, a * 10) == pytest.approx(1.0)
+    assert word2vec.spearman(a, -a) == pytest.approx(-1.0)
+    assert word2vec.spearman(a, np.array([1.0, 1.0, 2.0, 2.0])) == pytest.approx(
+        0.894427, rel=1e-5
+    )
