@@ -470,19 +470,19 @@ def coalesce(s: IndexedSlices) -> IndexedSlices:
     v = s.dense_shape[0]
     if n == 0:
         return s
-    # Sort the ids alone (XLA's CPU sort of (id, position) pairs plus the
-    # permutation of the rows cost ~5x more), then give every slot the compact
-    # segment of its id: the rank of the id among the distinct ids.
     idx = safe_indices(s)
-    sorted_idx = jnp.sort(idx)
-    is_new = jnp.concatenate([jnp.ones((1,), bool), sorted_idx[1:] != sorted_idx[:-1]])
-    segment_of_sorted = jnp.cumsum(is_new.astype(jnp.int32)) - 1
-    first = jnp.searchsorted(sorted_idx, idx, side="left", method="scan")
-    segment = segment_of_sorted[first]
-    values = _segment_sum(s.values, segment, n).astype(s.dtype)
-    # Padding and invalid slots sort last (safe index V) and form one segment.
-    unique_idx = jnp.full((n,), v, s.indices.dtype)
-    unique_idx = unique_idx.at[segment_of_sorted].set(sorted_idx, mode="drop")
+    acc = jnp.promote_types(s.dtype, jnp.float32)  # bf16 duplicates sum in f32
+    values, unique_idx = jax.lax.platform_dependent(
+        s.values.astype(acc),
+        idx,
+        cuda=_coalesce_by_pair_sort,
+        rocm=_coalesce_by_pair_sort,
+        default=_coalesce_by_id_sort,
+    )
+    values = values.astype(s.dtype)
+    # Padding and invalid slots sort last (safe index V) and form one segment;
+    # slots past the last segment are padding too.
+    unique_idx = jnp.minimum(unique_idx, v).astype(s.indices.dtype)
     # The padding segment (if any) holds the sum of padding rows: zero it.
     values = jnp.where(
         _expand(unique_idx == v, values.ndim), jnp.zeros((), values.dtype), values
@@ -494,29 +494,41 @@ def _expand(mask: jax.Array, ndim: int) -> jax.Array:
     return mask.reshape(mask.shape + (1,) * (ndim - 1))
 
 
-def _segment_sum(values: jax.Array, segment: jax.Array, n: int) -> jax.Array:
-    """Sum rows by segment id, deterministically on every backend.
+def _coalesce_by_id_sort(values: jax.Array, idx: jax.Array):
+    """CPU/TPU: sort the ids alone, rank each slot's id, segment-sum unsorted.
 
-    Accumulates in float32 at least, so bf16/f16 duplicates do not lose
-    precision (the caller casts back). On CPU and TPU ``segment_sum`` is
-    deterministic (scatters run in order). On GPU XLA's scatter-add uses
-    atomics whose order changes from run to run, so there the rows are sorted
-    by segment and summed by :func:`_segment_sum_by_scan`.
+    XLA's CPU sort of (id, position) pairs plus permuting the rows costs ~5x
+    more than sorting the ids and binary-searching each id's first position.
+    ``segment_sum`` is deterministic here (scatters run in order).
     """
-    values = values.astype(jnp.promote_types(values.dtype, jnp.float32))
+    n = idx.shape[0]
+    sorted_idx = jnp.sort(idx)
+    is_new = jnp.concatenate([jnp.ones((1,), bool), sorted_idx[1:] != sorted_idx[:-1]])
+    segment_of_sorted = jnp.cumsum(is_new.astype(jnp.int32)) - 1
+    first = jnp.searchsorted(sorted_idx, idx, side="left", method="scan")
+    summed = _segment_sum_by_scatter(values, segment_of_sorted[first], n)
+    return summed, _unique_ids(sorted_idx, segment_of_sorted, n)
 
-    def on_gpu(values, segment):
-        iota = jnp.arange(segment.shape[0], dtype=jnp.int32)
-        sorted_segment, perm = jax.lax.sort((segment, iota), num_keys=1, is_stable=True)
-        return _segment_sum_by_scan(values[perm], sorted_segment, n)
 
-    return jax.lax.platform_dependent(
-        values,
-        segment,
-        cuda=on_gpu,
-        rocm=on_gpu,
-        default=lambda v, s: _segment_sum_by_scatter(v, s, n),
-    )
+def _coalesce_by_pair_sort(values: jax.Array, idx: jax.Array):
+    """GPU: stable sort of (id, position), then a fixed-tree segmented scan.
+
+    XLA's GPU scatter-add uses atomics whose order changes from run to run;
+    the scan gives the same bits every time.
+    """
+    n = idx.shape[0]
+    iota = jnp.arange(n, dtype=jnp.int32)
+    sorted_idx, perm = jax.lax.sort((idx, iota), num_keys=1, is_stable=True)
+    is_new = jnp.concatenate([jnp.ones((1,), bool), sorted_idx[1:] != sorted_idx[:-1]])
+    segment = jnp.cumsum(is_new.astype(jnp.int32)) - 1
+    summed = _segment_sum_by_scan(values[perm], segment, n)
+    return summed, _unique_ids(sorted_idx, segment, n)
+
+
+def _unique_ids(sorted_idx: jax.Array, segment: jax.Array, n: int) -> jax.Array:
+    pad = jnp.iinfo(sorted_idx.dtype).max  # unused slots; the caller clamps to V
+    out = jnp.full((n,), pad, sorted_idx.dtype)
+    return out.at[segment].set(sorted_idx, mode="drop")
 
 
 def _segment_sum_by_scatter(values: jax.Array, segment: jax.Array, n: int):

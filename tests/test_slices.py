@@ -598,3 +598,19 @@ def test_both_segment_sum_strategies_agree(row_shape):
     by_scatter = jax.jit(_segment_sum_by_scatter, static_argnums=2)(vals, segment, 300)
     np.testing.assert_allclose(by_scan, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(by_scatter, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("row_shape", [(), (3,)])
+def test_cpu_and_gpu_coalesce_strategies_agree(row_shape):
+    """CI has no GPU: run the GPU strategy on CPU against the CPU one."""
+    from jaxslices.slices import _coalesce_by_id_sort, _coalesce_by_pair_sort
+
+    rng = np.random.default_rng(16)
+    idx = jnp.asarray(np.r_[rng.zipf(1.3, size=200) % 30, [30, 30]], jnp.int32)
+    vals = jnp.asarray(rng.normal(size=(202, *row_shape)), jnp.float32)
+    a_vals, a_idx = jax.jit(_coalesce_by_id_sort)(vals, idx)
+    b_vals, b_idx = jax.jit(_coalesce_by_pair_sort)(vals, idx)
+    np.testing.assert_array_equal(a_idx, b_idx)
+    np.testing.assert_allclose(a_vals, b_vals, rtol=1e-5, atol=1e-5)
+    u = len(np.unique(np.asarray(idx)))
+    np.testing.assert_array_equal(a_idx[:u], np.unique(np.asarray(idx)))
