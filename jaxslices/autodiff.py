@@ -156,11 +156,11 @@ def value_and_grad(
             return dense_fallback()
         records = [r for r in discover.records if r.leaf in sparse]
 
-        # 2. Probe: is each table read any other way than through its taps?
-        def probe_fn(tables, taps):
+        def run_tapped(replace, replacements, taps, sparse, records):
+            """Run the loss with some leaves replaced and sparse lookups tapped."""
             values = list(leaves)
-            for k, t in zip(sparse, tables, strict=True):
-                values[k] = t
+            for k, v in zip(replace, replacements, strict=True):
+                values[k] = v
             tape = _tape.Tape(
                 "tap",
                 candidates=values,
@@ -170,6 +170,13 @@ def value_and_grad(
             )
             with _tape.active(tape):
                 out = call(values)
+            if tape.cursor != len(records):
+                raise RuntimeError(_tape._NONDETERMINISTIC)
+            return out, tape.ids
+
+        # 2. Probe: is each table read any other way than through its taps?
+        def probe_fn(tables, taps):
+            out, _ = run_tapped(sparse, tables, taps, sparse, records)
             return out[0] if has_aux else out
 
         taps = [_tape.zeros_tap(r) for r in records]
@@ -188,24 +195,11 @@ def value_and_grad(
 
         # 3. Differentiate w.r.t. the dense leaves and the taps.
         def diff_fn(dense_values, taps):
-            values = list(leaves)
-            for k, v in zip(dense, dense_values, strict=True):
-                values[k] = v
-            tape = _tape.Tape(
-                "tap",
-                candidates=values,
-                sparse_leaves=frozenset(sparse),
-                taps=list(taps),
-                expected=records,
-            )
-            with _tape.active(tape):
-                out = call(values)
-            if tape.cursor != len(records):
-                raise RuntimeError(_tape._NONDETERMINISTIC)
+            out, ids = run_tapped(dense, dense_values, taps, sparse, records)
             if has_aux:
                 value, aux = out
-                return value, (aux, tape.ids)
-            return out, (None, tape.ids)
+                return value, (aux, ids)
+            return out, (None, ids)
 
         (value, (aux, ids)), (g_dense, g_taps) = jax.value_and_grad(
             diff_fn, argnums=(0, 1), has_aux=True
