@@ -30,6 +30,7 @@ from .transforms import add_decayed_weights as add_decayed_weights
 from .transforms import clip as clip
 from .transforms import clip_by_global_norm as clip_by_global_norm
 from .transforms import clip_by_row_norm as clip_by_row_norm
+from .transforms import densify as densify
 from .transforms import lazy_adam as lazy_adam
 from .transforms import lazy_adamw as lazy_adamw
 from .transforms import scale as scale
@@ -69,6 +70,7 @@ __all__ = [
     "clip",
     "clip_by_global_norm",
     "clip_by_row_norm",
+    "densify",
     "lazy_adam",
     "lazy_adamw",
     "scale",

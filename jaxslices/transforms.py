@@ -58,6 +58,7 @@ __all__ = [
     "scale_by_lazy_adam",
     "lazy_adam",
     "lazy_adamw",
+    "densify",
 ]
 
 ScalarOrSchedule = ArrayLike | Callable[[ArrayLike], ArrayLike]
@@ -979,3 +980,45 @@ def lazy_adamw(
         _add_decayed_weights(weight_decay, mask, coalesced=True),
         scale_by_learning_rate(learning_rate),
     )
+
+
+def densify(max_rows: int | None = None) -> optax.GradientTransformationExtraArgs:
+    """Turn sparse updates of small tables into dense arrays (opt-in fallback).
+
+    Replaces each :class:`~jaxslices.IndexedSlices` whose table has at most
+    ``max_rows`` rows (all of them if ``None``) by its dense equivalent, and
+    leaves larger tables sparse. Put it first in a chain: for small tables a
+    dense step is cheaper than gathering and scattering rows (measured in
+    ``benchmarks/RESULTS.md``: on a 2-core CPU the dense path wins below about
+    100k rows of width 64 for clipping, Adagrad and Adam). The maths changes
+    with it: a densified table gets the dense (non-lazy) update of the
+    transforms that follow, e.g. Adam moments of untouched rows decay.
+
+    Args:
+      max_rows: the largest table (``dense_shape[0]``) to densify.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` with empty state.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxslices
+      >>> g = jaxslices.IndexedSlices(jnp.ones((2, 1)), jnp.array([0, 0]), (3, 1))
+      >>> tx = optax.chain(jaxslices.densify(max_rows=1000), jaxslices.lazy_adam(0.1))
+      >>> u, _ = tx.update({"emb": g}, tx.init({"emb": jnp.zeros((3, 1))}))
+      >>> type(u["emb"]).__name__
+      'ArrayImpl'
+    """
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        _check_all("densify", updates)
+
+        def leaf(g):
+            small = max_rows is None or (
+                isinstance(g, IndexedSlices) and g.dense_shape[0] <= max_rows
+            )
+            return g.to_dense() if isinstance(g, IndexedSlices) and small else g
+
+        return jax.tree.map(leaf, updates, is_leaf=_is_leaf), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)

@@ -900,3 +900,28 @@ def test_end_to_end_training_matches_dense_optax():
         p_d, s_d, loss_d = dense_step(p_d, s_d, ids, y)
         np.testing.assert_allclose(loss_s, loss_d, rtol=1e-6)
         assert_trees_close(p_s, p_d)
+
+
+def test_densify_small_tables_matches_dense_optax():
+    """Opt-in dense fallback: small tables densified, large ones stay sparse."""
+    rng = np.random.default_rng(99)
+    small = js.IndexedSlices(
+        jnp.asarray(rng.normal(size=(6, 2)), jnp.float32),
+        jnp.array([1, 1, 3, 4, 0, 4]),
+        (4, 2),
+    )
+    big = js.IndexedSlices(jnp.ones((2, 2)), jnp.array([7, 7]), (50, 2))
+    params = {"small": jnp.ones((4, 2)), "big": jnp.zeros((50, 2))}
+    tx = optax.chain(js.densify(max_rows=10), js.lazy_adam(0.1))
+    ref = optax.adam(0.1)
+    updates, _ = jax.jit(tx.update)(
+        {"small": small, "big": big}, tx.init(params), params
+    )
+    assert isinstance(updates["big"], js.IndexedSlices)
+    assert not isinstance(updates["small"], js.IndexedSlices)
+    want, _ = ref.update(
+        {"small": small.to_dense()}, ref.init({"small": params["small"]})
+    )
+    np.testing.assert_allclose(updates["small"], want["small"], rtol=1e-6)
+    every, _ = js.densify().update({"big": big}, ())
+    np.testing.assert_array_equal(every["big"], big.to_dense())
