@@ -99,26 +99,25 @@ def _sparse_opt(name: str) -> optax.GradientTransformation:
     }[name]()
 
 
-def make_dense(name: str, params):
-    opt = _dense_opt(name)
+def _optax_step(opt, value_and_grad, loss_fn, apply_updates, params):
+    """One training step in Optax's shape; returns (step, initial state)."""
 
     def step(params, state, ids, y):
-        loss, grads = jax.value_and_grad(dense_loss)(params, ids, y)
+        loss, grads = value_and_grad(loss_fn)(params, ids, y)
         updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
+        return apply_updates(params, updates), state, loss
 
     return step, opt.init(params)
+
+
+def make_dense(name: str, params):
+    opt = _dense_opt(name)
+    return _optax_step(opt, jax.value_and_grad, dense_loss, optax.apply_updates, params)
 
 
 def make_jaxslices(name: str, params):
     opt = _sparse_opt(name)
-
-    def step(params, state, ids, y):
-        loss, grads = js.value_and_grad(sparse_loss)(params, ids, y)
-        updates, state = opt.update(grads, state, params)
-        return js.apply_updates(params, updates), state, loss
-
-    return step, opt.init(params)
+    return _optax_step(opt, js.value_and_grad, sparse_loss, js.apply_updates, params)
 
 
 def _rows_grad(params, ids, y):
@@ -230,13 +229,7 @@ def make_floor(name: str, params):
 def make_densify(name: str, params):
     """jaxslices with the opt-in small-table fallback: densify, then transform."""
     opt = optax.chain(js.densify(), _sparse_opt(name))
-
-    def step(params, state, ids, y):
-        loss, grads = js.value_and_grad(sparse_loss)(params, ids, y)
-        updates, state = opt.update(grads, state, params)
-        return js.apply_updates(params, updates), state, loss
-
-    return step, opt.init(params)
+    return _optax_step(opt, js.value_and_grad, sparse_loss, js.apply_updates, params)
 
 
 MAKERS: dict[str, Callable[[str, Any], Any]] = {
