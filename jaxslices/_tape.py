@@ -152,16 +152,5 @@ def active(tape: Tape) -> Iterator[Tape]:
         _STACK.pop()
 
 
-@contextmanager
-def suspended() -> Iterator[None]:
-    """Run code (e.g. an inner ``value_and_grad``) with no tape active."""
-    saved = list(_STACK)
-    _STACK.clear()
-    try:
-        yield
-    finally:
-        _STACK[:] = saved
-
-
 def zeros_tap(rec: LookupRecord) -> jax.Array:
     return jnp.zeros(rec.ids_shape + rec.row_shape, rec.dtype)
