@@ -15,21 +15,25 @@ Paths, each one jitted step with params and optimizer state donated:
   + jaxslices transforms + ``jaxslices.apply_updates``.
 * ``floor``: a minimal hand-written sparse step: the gradient with respect to
   the gathered rows only, then ``table.at[ids].add(...)``. Clip, Adagrad and
-  Adam need per-row sums, for which the floor uses ``jaxslices.coalesce``.
+  Adam need per-row sums; the floor gets them with the fastest method of
+  ``coalesce_bench.py`` (hash dedup), independent of jaxslices.
+* ``densify``: ``jaxslices`` with ``jaxslices.densify()`` first in the chain
+  (the opt-in dense fallback for small tables; run for ``V <= --densify-max-v``).
+* ``js_hash``: prototype: ``jaxslices`` with the transforms' internal
+  coalescing (``jaxslices.transforms._coalesce_for_update``) swapped for the
+  hash dedup while the step is traced. Measures a proposed library change.
 
 Run: ``python benchmarks/step_bench.py --out benchmarks/results`` (defaults are
 the issue's workload). Prints a markdown table with ratios measured pair by pair
-in the same run, writes ``step_bench_<backend>.json`` and a log-log plot.
+in the same run and the issue's targets, writes ``step_bench_<backend>.json``
+and a log-log plot of ms/step against V.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import resource
-import time
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +41,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _common import (
+    environment,
+    fmt_ratio,
+    interleave,
+    progress,
+    rss_mb,
+    save_json,
+    summary,
+)
+from coalesce_bench import hash_dedup
 
 import jaxslices as js
 
 OPTIMIZERS = ("sgd", "clip_sgd", "adagrad", "adam")
-PATHS = ("dense", "jaxslices", "floor")
+PATHS = ("dense", "jaxslices", "floor", "densify", "js_hash")
+NEEDS_API = {"jaxslices", "densify", "js_hash"}  # paths that use value_and_grad
+LR = {"sgd": 0.1, "clip_sgd": 0.1, "adagrad": 0.1, "adam": 1e-3}
 
 
 # ------------------------------------------------------------------ workload
@@ -57,7 +73,7 @@ def make_batches(num_rows: int, batch: int, bag: int, num_batches: int, seed: in
     return ids, targets
 
 
-def init_params(num_rows: int, dim: int, seed: int) -> dict:
+def init_params(num_rows: int, dim: int, seed: int) -> dict[str, jax.Array]:
     k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
     return {
         "emb": 0.01 * jax.random.normal(k1, (num_rows, dim), jnp.float32),
@@ -66,7 +82,7 @@ def init_params(num_rows: int, dim: int, seed: int) -> dict:
     }
 
 
-def _head(h, params, y):
+def _head(h: jax.Array, params: dict[str, jax.Array], y: jax.Array) -> jax.Array:
     return jnp.mean((h @ params["w"] + params["b"] - y) ** 2)
 
 
@@ -80,22 +96,26 @@ def sparse_loss(params, ids, y):
 
 # --------------------------------------------------------------------- steps
 
+Step = Callable[..., tuple[Any, Any, jax.Array]]
+
 
 def _dense_opt(name: str) -> optax.GradientTransformation:
+    lr = LR[name]
     return {
-        "sgd": lambda: optax.sgd(0.1),
-        "clip_sgd": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)),
-        "adagrad": lambda: optax.adagrad(0.1),
-        "adam": lambda: optax.adam(1e-3),
+        "sgd": lambda: optax.sgd(lr),
+        "clip_sgd": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(lr)),
+        "adagrad": lambda: optax.adagrad(lr),
+        "adam": lambda: optax.adam(lr),
     }[name]()
 
 
 def _sparse_opt(name: str) -> optax.GradientTransformation:
+    lr = LR[name]
     return {
-        "sgd": lambda: js.sgd(0.1),
-        "clip_sgd": lambda: optax.chain(js.clip_by_global_norm(1.0), js.sgd(0.1)),
-        "adagrad": lambda: js.adagrad(0.1),
-        "adam": lambda: js.lazy_adam(1e-3),
+        "sgd": lambda: js.sgd(lr),
+        "clip_sgd": lambda: optax.chain(js.clip_by_global_norm(1.0), js.sgd(lr)),
+        "adagrad": lambda: js.adagrad(lr),
+        "adam": lambda: js.lazy_adam(lr),
     }[name]()
 
 
@@ -120,6 +140,11 @@ def make_jaxslices(name: str, params):
     return _optax_step(opt, js.value_and_grad, sparse_loss, js.apply_updates, params)
 
 
+def make_densify(name: str, params):
+    opt = optax.chain(js.densify(), _sparse_opt(name))
+    return _optax_step(opt, js.value_and_grad, sparse_loss, js.apply_updates, params)
+
+
 def _rows_grad(params, ids, y):
     """Floor: gradient with respect to the gathered rows and the dense head."""
     rows = params["emb"].at[ids].get(mode="fill", fill_value=0)
@@ -133,16 +158,24 @@ def _rows_grad(params, ids, y):
     return loss_value, g_rows.reshape(-1, rows.shape[-1]), g_w, g_b
 
 
-def make_floor(name: str, params):
-    num_rows, dim = params["emb"].shape
-    lr = {"sgd": 0.1, "clip_sgd": 0.1, "adagrad": 0.1, "adam": 1e-3}[name]
+def _floor_coalesce(ids: jax.Array, g_rows: jax.Array, num_rows: int):
+    """Unique ids (padding ``num_rows``) and summed rows: hash dedup, O(N) temp."""
+    (idx, rows), _ = hash_dedup(None, ids.reshape(-1), g_rows, num_rows)
+    return idx, rows
 
-    def coalesced(ids, g_rows):
-        c = js.coalesce(js.IndexedSlices(g_rows, ids.reshape(-1), (num_rows, dim)))
-        return c.indices, c.values
+
+def make_floor(name: str, params):
+    """Hand-written sparse steps; state is a plain tuple/dict of arrays."""
+    num_rows = params["emb"].shape[0]
+    lr = LR[name]
+
+    def get(x, idx):
+        return x.at[idx].get(mode="fill", fill_value=0)
+
+    def put(x, idx, rows):
+        return x.at[idx].set(rows, mode="drop")
 
     if name == "sgd":
-        state = ()
 
         def step(params, state, ids, y):
             loss, g_rows, g_w, g_b = _rows_grad(params, ids, y)
@@ -150,93 +183,93 @@ def make_floor(name: str, params):
             new = {"emb": emb, "w": params["w"] - lr * g_w, "b": params["b"] - lr * g_b}
             return new, state, loss
 
-    elif name == "clip_sgd":
-        state = ()
+        return step, ()
+
+    if name == "clip_sgd":
 
         def step(params, state, ids, y):
             loss, g_rows, g_w, g_b = _rows_grad(params, ids, y)
-            idx, rows = coalesced(ids, g_rows)
+            idx, rows = _floor_coalesce(ids, g_rows, num_rows)
             norm = jnp.sqrt(jnp.sum(rows**2) + jnp.sum(g_w**2) + g_b**2)
             scale = lr * jnp.minimum(1.0, 1.0 / jnp.maximum(norm, 1e-12))
-            emb = params["emb"].at[idx].add(-scale * rows, mode="drop")
             new = {
-                "emb": emb,
+                "emb": params["emb"].at[idx].add(-scale * rows, mode="drop"),
                 "w": params["w"] - scale * g_w,
                 "b": params["b"] - scale * g_b,
             }
             return new, state, loss
 
-    elif name == "adagrad":
-        state = jax.tree.map(lambda p: jnp.full_like(p, 0.1), params)
+        return step, ()
+
+    if name == "adagrad":
 
         def step(params, acc, ids, y):
             loss, g_rows, g_w, g_b = _rows_grad(params, ids, y)
-            idx, rows = coalesced(ids, g_rows)
-            a_rows = acc["emb"].at[idx].get(mode="fill", fill_value=0) + rows**2
+            idx, rows = _floor_coalesce(ids, g_rows, num_rows)
+            a_rows = get(acc["emb"], idx) + rows**2
             a_w, a_b = acc["w"] + g_w**2, acc["b"] + g_b**2
-            emb = (
-                params["emb"]
-                .at[idx]
-                .add(-lr * rows * jax.lax.rsqrt(a_rows + 1e-7), mode="drop")
-            )
-            new_acc = {
-                "emb": acc["emb"].at[idx].set(a_rows, mode="drop"),
-                "w": a_w,
-                "b": a_b,
-            }
+            d_rows = -lr * rows * jax.lax.rsqrt(a_rows + 1e-7)
             new = {
-                "emb": emb,
+                "emb": params["emb"].at[idx].add(d_rows, mode="drop"),
                 "w": params["w"] - lr * g_w * jax.lax.rsqrt(a_w + 1e-7),
                 "b": params["b"] - lr * g_b * jax.lax.rsqrt(a_b + 1e-7),
             }
-            return new, new_acc, loss
+            return new, {"emb": put(acc["emb"], idx, a_rows), "w": a_w, "b": a_b}, loss
 
-    else:  # adam
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        state = (zeros, jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.int32))
+        return step, jax.tree.map(lambda p: jnp.full_like(p, 0.1), params)
 
-        def step(params, state, ids, y):
-            m, v, count = state
-            count = count + 1
-            bc1 = 1 - 0.9 ** count.astype(jnp.float32)
-            bc2 = 1 - 0.999 ** count.astype(jnp.float32)
-            loss, g_rows, g_w, g_b = _rows_grad(params, ids, y)
-            idx, rows = coalesced(ids, g_rows)
+    def step(params, state, ids, y):  # adam
+        m, v, count = state
+        count = count + 1
+        bc1 = 1 - 0.9 ** count.astype(jnp.float32)
+        bc2 = 1 - 0.999 ** count.astype(jnp.float32)
+        loss, g_rows, g_w, g_b = _rows_grad(params, ids, y)
+        idx, rows = _floor_coalesce(ids, g_rows, num_rows)
 
-            def adam(p, m, v, g):
-                m = 0.9 * m + 0.1 * g
-                v = 0.999 * v + 0.001 * g**2
-                return p - lr * (m / bc1) / (jnp.sqrt(v / bc2) + 1e-8), m, v
+        def adam(p, m, v, g):
+            m = 0.9 * m + 0.1 * g
+            v = 0.999 * v + 0.001 * g**2
+            return p - lr * (m / bc1) / (jnp.sqrt(v / bc2) + 1e-8), m, v
 
-            m_rows = m["emb"].at[idx].get(mode="fill", fill_value=0)
-            v_rows = v["emb"].at[idx].get(mode="fill", fill_value=0)
-            p_rows = params["emb"].at[idx].get(mode="fill", fill_value=0)
-            p_rows, m_rows, v_rows = adam(p_rows, m_rows, v_rows, rows)
-            w, mw, vw = adam(params["w"], m["w"], v["w"], g_w)
-            b, mb, vb = adam(params["b"], m["b"], v["b"], g_b)
-            new = {
-                "emb": params["emb"].at[idx].set(p_rows, mode="drop"),
-                "w": w,
-                "b": b,
-            }
-            new_m = {"emb": m["emb"].at[idx].set(m_rows, mode="drop"), "w": mw, "b": mb}
-            new_v = {"emb": v["emb"].at[idx].set(v_rows, mode="drop"), "w": vw, "b": vb}
-            return new, (new_m, new_v, count), loss
+        p_rows, m_rows, v_rows = adam(
+            get(params["emb"], idx), get(m["emb"], idx), get(v["emb"], idx), rows
+        )
+        w, mw, vw = adam(params["w"], m["w"], v["w"], g_w)
+        b, mb, vb = adam(params["b"], m["b"], v["b"], g_b)
+        new = {"emb": put(params["emb"], idx, p_rows), "w": w, "b": b}
+        new_m = {"emb": put(m["emb"], idx, m_rows), "w": mw, "b": mb}
+        new_v = {"emb": put(v["emb"], idx, v_rows), "w": vw, "b": vb}
+        return new, (new_m, new_v, count), loss
 
-    return step, state
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return step, (zeros, jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.int32))
 
 
-def make_densify(name: str, params):
-    """jaxslices with the opt-in small-table fallback: densify, then transform."""
-    opt = optax.chain(js.densify(), _sparse_opt(name))
-    return _optax_step(opt, js.value_and_grad, sparse_loss, js.apply_updates, params)
+def _hash_coalesce_for_update(s: js.IndexedSlices) -> js.IndexedSlices:
+    """Drop-in for ``jaxslices.transforms._coalesce_for_update`` (unsorted)."""
+    (idx, rows), _ = hash_dedup(None, s.indices, s.values, s.dense_shape[0])
+    return js.IndexedSlices(rows.astype(s.dtype), idx.astype(s.indices.dtype), s.shape)
 
 
-MAKERS: dict[str, Callable[[str, Any], Any]] = {
+@contextlib.contextmanager
+def hash_coalescing() -> Iterator[None]:
+    """Trace jaxslices' transforms with the hash dedup as their coalescing step."""
+    from jaxslices import transforms
+
+    original = transforms._coalesce_for_update
+    transforms._coalesce_for_update = _hash_coalesce_for_update
+    try:
+        yield
+    finally:
+        transforms._coalesce_for_update = original
+
+
+MAKERS: dict[str, Callable[[str, Any], tuple[Step, Any]]] = {
     "dense": make_dense,
     "jaxslices": make_jaxslices,
     "floor": make_floor,
-    "densify": make_densify,  # opt-in, not in the default PATHS
+    "densify": make_densify,
+    "js_hash": make_jaxslices,  # traced under hash_coalescing()
 }
 
 
@@ -244,48 +277,36 @@ MAKERS: dict[str, Callable[[str, Any], Any]] = {
 
 
 class Runner:
-    """One compiled, donated step and its live params/state."""
+    """One compiled, donated step and its live params/state; call = one step."""
 
-    def __init__(self, path, opt, num_rows, dim, seed, ids, y):
+    def __init__(self, path: str, opt: str, num_rows: int, dim: int, seed: int, ids, y):
         params = init_params(num_rows, dim, seed)
-        step, state = MAKERS[path](opt, params)
-        jitted = jax.jit(step, donate_argnums=(0, 1))
-        compiled = jitted.lower(params, state, ids[0], y).compile()
+        ctx = hash_coalescing() if path == "js_hash" else contextlib.nullcontext()
+        with ctx:  # tracing happens in lower()
+            step, state = MAKERS[path](opt, params)
+            jitted = jax.jit(step, donate_argnums=(0, 1))
+            compiled = jitted.lower(params, state, ids[0], y).compile()
         mem = compiled.memory_analysis()
         self.memory = {
-            "temp_bytes": int(getattr(mem, "temp_size_in_bytes", -1)),
-            "argument_bytes": int(getattr(mem, "argument_size_in_bytes", -1)),
-            "output_bytes": int(getattr(mem, "output_size_in_bytes", -1)),
+            f"{k}_bytes": int(getattr(mem, f"{k}_size_in_bytes", -1))
+            for k in ("temp", "argument", "output", "alias")
         }
         self.step, self.params, self.state = compiled, params, state
         self.ids, self.y, self.i = ids, y, 0
-        self.times: list[float] = []
-        self.run(3, record=False)  # warm up
+        self.loss = float("nan")
+        for _ in range(3):  # warm up
+            self()
+        self.memory.update(rss_mb())
 
-    def run(self, steps: int, record: bool = True) -> None:
-        for _ in range(steps):
-            ids = self.ids[self.i % len(self.ids)]
-            self.i += 1
-            t0 = time.perf_counter()
-            self.params, self.state, loss = self.step(
-                self.params, self.state, ids, self.y
-            )
-            jax.block_until_ready((self.params, self.state, loss))
-            if record:
-                self.times.append((time.perf_counter() - t0) * 1e3)
-        self.loss = float(loss)
+    def __call__(self) -> None:
+        ids = self.ids[self.i % len(self.ids)]
+        self.i += 1
+        self.params, self.state, loss = self.step(self.params, self.state, ids, self.y)
+        jax.block_until_ready((self.params, self.state, loss))
+        self.loss = loss
 
     def free(self) -> None:
         self.params = self.state = self.step = None
-
-
-def _progress(total: int):
-    try:
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total, desc="steps", leave=False)
-    except ImportError:  # pragma: no cover
-        return None
 
 
 def main(
@@ -298,129 +319,246 @@ def main(
     passes: int = 3,
     optimizers: tuple[str, ...] = OPTIMIZERS,
     paths: tuple[str, ...] = PATHS,
+    densify_max_v: int = 131072,
     seed: int = 0,
     out: str | None = None,
     plot: bool = True,
-) -> dict:
-    """Run the benchmark; returns the report (also printed and saved to ``out``)."""
+) -> dict[str, Any]:
+    """Run the benchmark; returns the report (also printed and saved to ``out``).
+
+    Each configuration runs ``passes`` x ``steps`` timed steps; the paths of one
+    (V, optimizer) run interleaved, so their ratios are measured side by side.
+    """
+    if not hasattr(js, "value_and_grad"):
+        print(
+            "step_bench: jaxslices.value_and_grad does not exist yet; skipping the "
+            f"paths that need it: {sorted(NEEDS_API & set(paths))}."
+        )
+        paths = tuple(p for p in paths if p not in NEEDS_API)
+    configs = [
+        (v, opt, [p for p in paths if p != "densify" or v <= densify_max_v])
+        for v in num_rows
+        for opt in optimizers
+    ]
+    bar = progress(sum(len(ps) for *_, ps in configs) * steps * passes, "step_bench")
     rows = []
-    bar = _progress(len(num_rows) * len(optimizers) * len(paths) * steps * passes)
-    for v in num_rows:
+    for v, opt, ps in configs:
         ids, y = make_batches(v, batch, bag, num_batches, seed)
-        for opt in optimizers:
-            runners = {p: Runner(p, opt, v, dim, seed, ids, y) for p in paths}
-            for _ in range(passes):  # interleave paths against machine noise
-                for p in paths:
-                    runners[p].run(steps)
-                    if bar is not None:
-                        bar.update(steps)
-            for p, r in runners.items():
-                t = np.asarray(r.times)
-                rows.append(
-                    {
-                        "num_rows": v,
-                        "optimizer": opt,
-                        "path": p,
-                        "median_ms": float(np.median(t)),
-                        "min_ms": float(t.min()),
-                        "max_ms": float(t.max()),
-                        "steps_timed": len(t),
-                        "final_loss": r.loss,
-                        **r.memory,
-                    }
-                )
-                r.free()
+        runners = {p: Runner(p, opt, v, dim, seed, ids, y) for p in ps}
+        times = interleave(runners, steps, passes, bar)
+        for p, r in runners.items():
+            rows.append(
+                {
+                    "num_rows": v,
+                    "optimizer": opt,
+                    "path": p,
+                    **summary(times[p]),
+                    "final_loss": float(r.loss),
+                    **r.memory,
+                }
+            )
+            r.free()
     if bar is not None:
         bar.close()
     report = {
-        "device": str(jax.devices()[0].device_kind),
-        "backend": jax.default_backend(),
-        "jax": jax.__version__,
-        "optax": optax.__version__,
-        "python": platform.python_version(),
+        **environment(),
         "workload": {"dim": dim, "batch": batch, "bag": bag, "zipf": 1.2},
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "steps_per_pass": steps,
+        "passes": passes,
+        "peak_rss_mb": rss_mb()["peak_rss_mb"],
         "rows": rows,
+        "temp_grows_with_v": temp_growth(rows),
+        "targets": targets(rows),
     }
     report["table"] = markdown_table(rows)
-    print(f"{report['device']} ({report['backend']}), jax {report['jax']}")
+    report["targets_table"] = targets_table(report["targets"])
+    print(
+        f"{report['cpu']} x{report['nproc']} ({report['backend']}), jax {report['jax']}"
+    )
     print(report["table"])
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        stem = Path(out) / f"step_bench_{report['backend']}"
-        stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
-        if plot:
-            save_plot(rows, str(stem) + ".png", report["device"])
+    print("\nTemp bytes grow with V:", report["temp_grows_with_v"] or "none")
+    print(report["targets_table"])
+    save_json(report, out, f"step_bench_{report['backend']}.json")
+    if out and plot:
+        save_plot(rows, str(Path(out) / f"step_bench_{report['backend']}.png"), report)
     return report
 
 
-def _get(rows, v, opt, path):
+# ------------------------------------------------------------------- output
+
+
+def _get(rows: list[dict], v: int, opt: str, path: str) -> dict | None:
     for r in rows:
         if (r["num_rows"], r["optimizer"], r["path"]) == (v, opt, path):
             return r
     return None
 
 
+def _ms(rows: list[dict], v: int, opt: str, path: str) -> float | None:
+    r = _get(rows, v, opt, path)
+    return None if r is None else r["median_ms"]
+
+
+def temp_growth(rows: list[dict]) -> list[str]:
+    """``"path/optimizer"`` for each config whose compiled temp bytes grow with V."""
+    vs = sorted({r["num_rows"] for r in rows})
+    flagged = []
+    for path in dict.fromkeys(r["path"] for r in rows):
+        for opt in OPTIMIZERS:
+            temps = [_get(rows, v, opt, path) for v in vs]
+            temps = [t["temp_bytes"] for t in temps if t is not None]
+            if len(temps) > 1 and temps[-1] > temps[0]:
+                flagged.append(f"{path}/{opt}")
+    return flagged
+
+
 def markdown_table(rows: list[dict]) -> str:
-    with_densify = any(r["path"] == "densify" for r in rows)
-    lines = [
-        "| V | optimizer | dense ms | jaxslices ms | floor ms | dense / jaxslices "
-        "| jaxslices / floor | temp MB dense / jaxslices |"
-        + (" jaxslices + densify ms |" if with_densify else ""),
-        "|---|---|---|---|---|---|---|---|" + ("---|" if with_densify else ""),
+    present = [p for p in PATHS if any(r["path"] == p for r in rows)]
+    ratios = [
+        ("dense", "jaxslices"),
+        ("jaxslices", "floor"),
+        ("js_hash", "floor"),
+        ("densify", "jaxslices"),
     ]
+    ratios = [(a, b) for a, b in ratios if a in present and b in present]
+    head = (
+        ["V", "optimizer"]
+        + [f"{p} ms (min-max)" for p in present]
+        + [f"{a} / {b}" for a, b in ratios]
+        + ["temp MB " + " / ".join(present)]
+    )
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for v in sorted({r["num_rows"] for r in rows}):
         for opt in OPTIMIZERS:
-            d, s, f = (_get(rows, v, opt, p) for p in PATHS)
-            if s is None and d is None:
+            if not any(_get(rows, v, opt, p) for p in present):
                 continue
-
-            def ms(r):
-                return "-" if r is None else f"{r['median_ms']:.2f}"
-
-            def ratio(a, b):
-                if a is None or b is None:
-                    return "-"
-                return f"{a['median_ms'] / b['median_ms']:.1f}x"
-
-            def mb(r):
-                return "-" if r is None else f"{r['temp_bytes'] / 2**20:.1f}"
-
-            extra = f" {ms(_get(rows, v, opt, 'densify'))} |" if with_densify else ""
-            lines.append(
-                f"| {v} | {opt} | {ms(d)} | {ms(s)} | {ms(f)} | {ratio(d, s)} | "
-                f"{ratio(s, f)} | {mb(d)} / {mb(s)} |{extra}"
+            cells = [str(v), opt]
+            for p in present:
+                r = _get(rows, v, opt, p)
+                cells.append(
+                    "-"
+                    if r is None
+                    else f"{r['median_ms']:.2f} ({r['min_ms']:.2f}-{r['max_ms']:.2f})"
+                )
+            cells += [
+                fmt_ratio(_ms(rows, v, opt, a), _ms(rows, v, opt, b)) for a, b in ratios
+            ]
+            temps = [_get(rows, v, opt, p) for p in present]
+            cells.append(
+                " / ".join(
+                    "-" if t is None else f"{t['temp_bytes'] / 2**20:.1f}"
+                    for t in temps
+                )
             )
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def save_plot(rows: list[dict], path: str, device: str) -> None:
+def targets(rows: list[dict]) -> list[dict[str, Any]]:
+    """The issue's targets, evaluated on this run's smallest and largest V.
+
+    The issue states them for V = 16384 (``lo``) and V = 1048576 (``hi``).
+    """
+    vs = sorted({r["num_rows"] for r in rows})
+    lo, hi = vs[0], vs[-1]
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, ok: Callable[[float], bool], fmt: str):
+        if value is not None:
+            out.append(
+                {"target": name, "value": value, "met": bool(ok(value)), "fmt": fmt}
+            )
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else a / b
+
+    for sparse in ("jaxslices", "js_hash"):
+        add(
+            f"V={hi} SGD: dense / {sparse} >= 50",
+            ratio(_ms(rows, hi, "sgd", "dense"), _ms(rows, hi, "sgd", sparse)),
+            lambda x: x >= 50,
+            "{:.1f}x",
+        )
+        add(
+            f"V={hi} SGD: {sparse} / floor <= 1.25",
+            ratio(_ms(rows, hi, "sgd", sparse), _ms(rows, hi, "sgd", "floor")),
+            lambda x: x <= 1.25,
+            "{:.2f}x",
+        )
+        for opt in OPTIMIZERS if hi > lo else ():
+            add(
+                f"{sparse} {opt}: time(V={hi}) / time(V={lo}) <= 1.5",
+                ratio(_ms(rows, hi, opt, sparse), _ms(rows, lo, opt, sparse)),
+                lambda x: x <= 1.5,
+                "{:.2f}x",
+            )
+        for v in sorted({lo, hi}):
+            add(
+                f"V={v} clip+SGD {sparse} / floor SGD <= 2",
+                ratio(_ms(rows, v, "clip_sgd", sparse), _ms(rows, v, "sgd", "floor")),
+                lambda x: x <= 2,
+                "{:.2f}x",
+            )
+        add(
+            f"V={hi} Adam: dense / {sparse} >= 20",
+            ratio(_ms(rows, hi, "adam", "dense"), _ms(rows, hi, "adam", sparse)),
+            lambda x: x >= 20,
+            "{:.1f}x",
+        )
+    for opt in OPTIMIZERS:
+        add(
+            f"V={lo} {opt}: densify faster than jaxslices (informative)",
+            ratio(_ms(rows, lo, opt, "jaxslices"), _ms(rows, lo, opt, "densify")),
+            lambda x: x > 1,
+            "{:.2f}x speed-up",
+        )
+    return out
+
+
+def targets_table(items: list[dict[str, Any]]) -> str:
+    lines = ["| target | measured | verdict |", "|---|---|---|"]
+    for t in items:
+        verdict = "met" if t["met"] else "missed"
+        lines.append(f"| {t['target']} | {t['fmt'].format(t['value'])} | {verdict} |")
+    return "\n".join(lines)
+
+
+def save_plot(rows: list[dict], path: str, env: dict[str, Any]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(OPTIMIZERS), figsize=(4 * len(OPTIMIZERS), 3.6))
-    styles = {"dense": "o-", "jaxslices": "s-", "floor": "^--", "densify": "x:"}
+    styles = {
+        "dense": "o-",
+        "jaxslices": "s-",
+        "floor": "^--",
+        "densify": "x:",
+        "js_hash": "d-.",
+    }
     for ax, opt in zip(axes, OPTIMIZERS, strict=True):
-        for p in styles:
+        for p, style in styles.items():
             pts = sorted(
                 (r["num_rows"], r["median_ms"])
                 for r in rows
                 if r["optimizer"] == opt and r["path"] == p
             )
             if pts:
-                ax.plot(*zip(*pts, strict=True), styles[p], label=p)
+                ax.plot(*zip(*pts, strict=True), style, label=p)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(opt)
         ax.set_xlabel("table rows V")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("median ms / step")
-    axes[0].legend()
-    fig.suptitle(f"Training step time vs table size ({device})")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        f"Training step time vs table size ({env['cpu']} x{env['nproc']}, "
+        f"{env['backend']}, jax {env['jax']})"
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
@@ -431,6 +569,7 @@ if __name__ == "__main__":
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
     p.add_argument("--paths", nargs="+", default=list(PATHS))
+    p.add_argument("--densify-max-v", type=int, default=131072)
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -440,6 +579,7 @@ if __name__ == "__main__":
         passes=a.passes,
         optimizers=tuple(a.optimizers),
         paths=tuple(a.paths),
+        densify_max_v=a.densify_max_v,
         batch=a.batch,
         out=a.out,
     )
