@@ -39,18 +39,32 @@ def time_call(fn: Callable[[], Any]) -> float:
 
 
 def interleave(
-    fns: dict[str, Callable[[], Any]], steps: int, passes: int, bar: Any = None
+    fns: dict[str, Callable[[], Any]],
+    steps: int,
+    passes: int,
+    bar: Any = None,
+    warmup: int = 1,
 ) -> dict[str, list[float]]:
-    """Time ``steps`` calls of each function per pass, round robin over ``passes``.
+    """Time ``steps`` calls of each function per turn, round robin over ``passes``.
 
     Interleaving spreads slow phases of a shared, noisy machine over every
     configuration, so that ratios measured in one run compare like with like.
-    Each function must run one step and block until its result is ready.
+    Two biases are removed: the order is shuffled every pass (seeded), so no
+    function always runs right after the one that flushes the caches (a dense
+    step over a 1 GB table, say), and each turn starts with ``warmup`` untimed
+    calls, so that what is timed is the steady state of that function, not the
+    switch. Each function must run one step and block until its result is
+    ready.
     """
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    rng = np.random.default_rng(0)
     for _ in range(passes):
-        for name, fn in fns.items():
-            times[name] += [time_call(fn) for _ in range(steps)]
+        for i in rng.permutation(len(names)):
+            name = names[i]
+            for _ in range(warmup):
+                fns[name]()
+            times[name] += [time_call(fns[name]) for _ in range(steps)]
             if bar is not None:
                 bar.update(steps)
     return times

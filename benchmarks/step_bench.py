@@ -280,6 +280,7 @@ class Runner:
     """One compiled, donated step and its live params/state; call = one step."""
 
     def __init__(self, path: str, opt: str, num_rows: int, dim: int, seed: int, ids, y):
+        rss_before = rss_mb()["rss_mb"]
         params = init_params(num_rows, dim, seed)
         ctx = hash_coalescing() if path == "js_hash" else contextlib.nullcontext()
         with ctx:  # tracing happens in lower()
@@ -297,6 +298,9 @@ class Runner:
         for _ in range(3):  # warm up
             self()
         self.memory.update(rss_mb())
+        # This runner's footprint (params, state, executable, temporaries once
+        # allocated); approximate, as freed memory may be reused.
+        self.memory["rss_delta_mb"] = self.memory["rss_mb"] - rss_before
 
     def __call__(self) -> None:
         ids = self.ids[self.i % len(self.ids)]
@@ -315,8 +319,8 @@ def main(
     batch: int = 1024,
     bag: int = 16,
     num_batches: int = 20,
-    steps: int = 20,
-    passes: int = 3,
+    steps: int = 10,
+    passes: int = 6,
     optimizers: tuple[str, ...] = OPTIMIZERS,
     paths: tuple[str, ...] = PATHS,
     densify_max_v: int = 131072,
@@ -400,14 +404,22 @@ def _ms(rows: list[dict], v: int, opt: str, path: str) -> float | None:
 
 
 def temp_growth(rows: list[dict]) -> list[str]:
-    """``"path/optimizer"`` for each config whose compiled temp bytes grow with V."""
+    """``"path/optimizer"`` for each config whose compiled temp bytes grow with V.
+
+    Growth counts when, from the smallest to the largest V, temp bytes grow by
+    more than 5% of what argument bytes grow by (the table and its optimizer
+    state): a table-sized temporary, not a few KB of changed buffer layout.
+    """
     vs = sorted({r["num_rows"] for r in rows})
     flagged = []
     for path in dict.fromkeys(r["path"] for r in rows):
         for opt in OPTIMIZERS:
-            temps = [_get(rows, v, opt, path) for v in vs]
-            temps = [t["temp_bytes"] for t in temps if t is not None]
-            if len(temps) > 1 and temps[-1] > temps[0]:
+            lo, hi = _get(rows, vs[0], opt, path), _get(rows, vs[-1], opt, path)
+            if lo is None or hi is None or lo is hi:
+                continue
+            d_temp = hi["temp_bytes"] - lo["temp_bytes"]
+            d_args = hi["argument_bytes"] - lo["argument_bytes"]
+            if d_temp > 0.05 * max(d_args, 0):
                 flagged.append(f"{path}/{opt}")
     return flagged
 
@@ -529,7 +541,9 @@ def save_plot(rows: list[dict], path: str, env: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(OPTIMIZERS), figsize=(4 * len(OPTIMIZERS), 3.6))
+    opts = [o for o in OPTIMIZERS if any(r["optimizer"] == o for r in rows)]
+    fig, axes = plt.subplots(1, len(opts), figsize=(4 * len(opts), 3.6), squeeze=False)
+    axes = axes[0]
     styles = {
         "dense": "o-",
         "jaxslices": "s-",
@@ -537,7 +551,7 @@ def save_plot(rows: list[dict], path: str, env: dict[str, Any]) -> None:
         "densify": "x:",
         "js_hash": "d-.",
     }
-    for ax, opt in zip(axes, OPTIMIZERS, strict=True):
+    for ax, opt in zip(axes, opts, strict=True):
         for p, style in styles.items():
             pts = sorted(
                 (r["num_rows"], r["median_ms"])
@@ -565,8 +579,10 @@ def save_plot(rows: list[dict], path: str, env: dict[str, Any]) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-rows", type=int, nargs="+", default=[16384, 131072, 1048576])
-    p.add_argument("--steps", type=int, default=20, help="timed steps per pass")
-    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per turn")
+    p.add_argument(
+        "--passes", type=int, default=6, help="round-robin turns (steps x passes timed)"
+    )
     p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
     p.add_argument("--paths", nargs="+", default=list(PATHS))
     p.add_argument("--densify-max-v", type=int, default=131072)

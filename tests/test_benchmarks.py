@@ -24,7 +24,8 @@ def bench(monkeypatch):
     return load
 
 
-def test_step_bench_smoke(bench, tmp_path):
+@pytest.mark.parametrize("optimizer", ["sgd", "clip_sgd", "adagrad", "adam"])
+def test_step_bench_smoke(bench, tmp_path, optimizer):
     step_bench = bench("step_bench")
     report = step_bench.main(
         num_rows=(256,),
@@ -33,9 +34,10 @@ def test_step_bench_smoke(bench, tmp_path):
         num_batches=2,
         steps=2,
         passes=1,
+        optimizers=(optimizer,),
         out=str(tmp_path),
     )
-    assert len(report["rows"]) == len(step_bench.OPTIMIZERS) * len(step_bench.PATHS)
+    assert [r["path"] for r in report["rows"]] == list(step_bench.PATHS)
     for row in report["rows"]:
         assert row["median_ms"] > 0 and row["steps_timed"] == 2
         assert math.isfinite(row["final_loss"])
@@ -44,21 +46,29 @@ def test_step_bench_smoke(bench, tmp_path):
     assert saved["table"] == report["table"]
     assert "jaxslices / floor" in report["table"]
     assert (tmp_path / f"step_bench_{report['backend']}.png").stat().st_size > 1000
-    assert {t["target"] for t in report["targets"]} >= {
-        "V=256 SGD: jaxslices / floor <= 1.25",
-        "V=256 Adam: dense / jaxslices >= 20",
-    }
+    if optimizer == "sgd":
+        assert "V=256 SGD: jaxslices / floor <= 1.25" in [
+            t["target"] for t in report["targets"]
+        ]
 
 
 def test_step_bench_flags_temp_growth(bench):
     step_bench = bench("step_bench")
     rows = [
-        {"num_rows": v, "optimizer": "adam", "path": p, "temp_bytes": t}
-        for v, p, t in [
-            (16, "dense", 100),
-            (32, "dense", 200),
-            (16, "jaxslices", 50),
-            (32, "jaxslices", 50),
+        {
+            "num_rows": v,
+            "optimizer": "adam",
+            "path": p,
+            "temp_bytes": t,
+            "argument_bytes": a,
+        }
+        for v, p, t, a in [
+            (16, "dense", 100, 300),
+            (32, "dense", 200, 600),  # temp grows like the table: flagged
+            (16, "floor", 50, 300),
+            (32, "floor", 52, 600),  # a few bytes of layout: not flagged
+            (16, "jaxslices", 50, 300),
+            (32, "jaxslices", 50, 600),
         ]
     ]
     assert step_bench.temp_growth(rows) == ["dense/adam"]
@@ -84,6 +94,7 @@ def test_coalesce_bench_smoke(bench, tmp_path):
         steps=2,
         passes=1,
         out=str(tmp_path),
+        check_results=False,  # test_coalesce_methods_agree_with_numpy does it
     )
     (row,) = report["results"]
     timed = set(row["timings"])
