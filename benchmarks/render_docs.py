@@ -122,7 +122,42 @@ def design_coalesce() -> str:
     return "\n".join(out) + "\n"
 
 
+def densify_crossover() -> str:
+    """Where `densify()` stops paying off (the crossover run of step_bench)."""
+    d = load("step_bench_crossover_cpu.json")
+    med: dict[tuple[int, str], dict[str, float]] = {}
+    for r in d["rows"]:
+        med.setdefault((r["num_rows"], r["optimizer"]), {})[r["path"]] = r["median_ms"]
+    sizes = sorted({v for v, _ in med})
+    opts = sorted({o for _, o in med})
+    wins = {
+        v: [o for o in opts if med[(v, o)]["densify"] < med[(v, o)]["jaxslices"]]
+        for v in sizes
+    }
+    all_win = [v for v in sizes if len(wins[v]) == len(opts)]
+    none_win = [v for v in sizes if not wins[v]]
+    lines = [
+        f"Measured on {d.get('nproc', 2)} CPU cores for {d['workload']['dim']}-wide "
+        f"float32 rows (`step_bench_crossover_cpu.json`, "
+        f"{', '.join(o.replace('_', ' + ') for o in opts)}):"
+    ]
+    for v in sizes:
+        ratios = ", ".join(
+            f"{o} {med[(v, o)]['jaxslices'] / med[(v, o)]['densify']:.2f}x"
+            for o in opts
+        )
+        lines.append(f"* V = {_rows_label(v)}: densify speed-up {ratios}")
+    if all_win and none_win:
+        lines.append(
+            f"\nSo `densify` pays off up to about {_rows_label(max(all_win))} rows "
+            f"and loses from {_rows_label(min(none_win))} rows on; use it "
+            f"(`max_rows={max(all_win)}`) for tables below that size."
+        )
+    return "\n".join(lines) + "\n"
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "densify-crossover": densify_crossover,
     "readme-benchmarks": readme_benchmarks,
     "design-coalesce": design_coalesce,
 }
