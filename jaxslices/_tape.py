@@ -8,9 +8,9 @@ in one of two modes:
 * ``discover``: record which parameter leaves are looked up at the loss's top
   level, with the shapes of their ids; mark leaves seen in nested scopes
   (``scan``, ``vmap``, ``cond``, inner ``jit``, ``checkpoint``) as dense.
-* ``tap``: replace each recorded lookup by ``stop_gradient(table)[ids] + tap``,
-  so that the cotangent of ``tap`` is exactly the row gradient, and collect the
-  ids.
+* ``tap``: replace each recorded lookup by ``table[ids] + tap``, so that the
+  cotangent of ``tap`` is exactly the row gradient, and collect the ids (the
+  probe reads ``stop_gradient(table)[ids] + tap`` instead, to see other uses).
 
 A future backend (JAX's backward-pass logs) would replace this module only.
 """
@@ -60,6 +60,12 @@ class Tape:
     expected: list[LookupRecord] = dataclasses.field(default_factory=list)
     ids: list[Any] = dataclasses.field(default_factory=list)
     cursor: int = 0
+    # Probe only: read the table through ``stop_gradient`` so that any other use
+    # of it shows in the jaxpr. The differentiating pass reads it directly: the
+    # inner differentiation is only with respect to the taps (the table is a
+    # constant to it), while an outer ``jax.grad``/``jax.jvp`` of the table still
+    # flows through the gather (higher-order AD, gradient penalties, MAML).
+    sever: bool = False
 
     def leaf_of(self, table: Any) -> int | None:
         for k, leaf in enumerate(self.candidates):
@@ -125,7 +131,9 @@ class Tape:
         tap = self.taps[self.cursor]
         self.cursor += 1
         self.ids.append(ids)
-        return gather(jax.lax.stop_gradient(table), ids) + tap
+        if self.sever:
+            table = jax.lax.stop_gradient(table)
+        return gather(table, ids) + tap
 
 
 _NONDETERMINISTIC = (

@@ -15,8 +15,12 @@ the primal's shape, so no rule can hand back a row-sparse gradient for a
    inside ``scan``/``cond``/an inner ``jit``/``checkpoint``/``vmap``): it falls
    back to JAX's dense gradient, which is always correct.
 3. **Differentiate** ``jax.value_and_grad`` with respect to the dense leaves and
-   the taps, never the sparse tables: the cotangent of each tap is exactly the
-   rows' gradient, which is packed with the ids into an ``IndexedSlices``.
+   the taps, never the sparse tables, with each lookup read as
+   ``table[ids] + tap``: the cotangent of each tap is exactly the rows'
+   gradient, which is packed with the ids into an ``IndexedSlices``. The table
+   is a constant to this inner differentiation but not to an outer one, so
+   ``jax.grad``/``jax.jvp`` on top of these wrappers (gradient penalties, MAML,
+   Hessians) is what it is on top of ``jax.value_and_grad``.
 
 So the loss is traced three times per call (at trace time: under ``jax.jit``
 this happens once per compilation, not per step). It must make the same
@@ -156,7 +160,7 @@ def value_and_grad(
             return dense_fallback()
         records = [r for r in discover.records if r.leaf in sparse]
 
-        def run_tapped(replace, replacements, taps, sparse, records):
+        def run_tapped(replace, replacements, taps, sparse, records, sever):
             """Run the loss with some leaves replaced and sparse lookups tapped."""
             values = list(leaves)
             for k, v in zip(replace, replacements, strict=True):
@@ -167,6 +171,7 @@ def value_and_grad(
                 sparse_leaves=frozenset(sparse),
                 taps=list(taps),
                 expected=records,
+                sever=sever,
             )
             with _tape.active(tape):
                 out = call(values)
@@ -176,7 +181,7 @@ def value_and_grad(
 
         # 2. Probe: is each table read any other way than through its taps?
         def probe_fn(tables, taps):
-            out, _ = run_tapped(sparse, tables, taps, sparse, records)
+            out, _ = run_tapped(sparse, tables, taps, sparse, records, True)
             return out[0] if has_aux else out
 
         taps = [_tape.zeros_tap(r) for r in records]
@@ -195,7 +200,7 @@ def value_and_grad(
 
         # 3. Differentiate w.r.t. the dense leaves and the taps.
         def diff_fn(dense_values, taps):
-            out, ids = run_tapped(dense, dense_values, taps, sparse, records)
+            out, ids = run_tapped(dense, dense_values, taps, sparse, records, False)
             if has_aux:
                 value, aux = out
                 return value, (aux, ids)
