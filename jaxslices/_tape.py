@@ -6,8 +6,9 @@ tape, if any, to handle a lookup; ``value_and_grad`` runs the loss under a tape
 in one of two modes:
 
 * ``discover``: record which parameter leaves are looked up at the loss's top
-  level, with the shapes of their ids; mark leaves seen in nested scopes
-  (``scan``, ``vmap``, ``cond``, inner ``jit``, ``checkpoint``) as dense.
+  level (or below ``vmap``s only), with the shapes of their ids; mark leaves
+  seen in other nested scopes (``scan``, ``cond``, inner ``jit``,
+  ``checkpoint``) as dense.
 * ``tap``: replace each recorded lookup by ``table[ids] + tap``, so that the
   cotangent of ``tap`` is exactly the row gradient, and collect the ids (the
   probe reads ``stop_gradient(table)[ids] + tap`` instead, to see other uses).
@@ -25,6 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
+
+from . import _jax_private
 
 try:  # public since JAX 0.4.36 (stackless tracing)
     from jax.extend.core import get_opaque_trace_state as _trace_state
@@ -51,7 +54,8 @@ class Tape:
 
     mode: str  # "discover" or "tap"
     candidates: list[Any]  # leaf objects (tracers or arrays), compared with `is`
-    state: Any = None
+    state: Any = None  # opaque token of the loss's top-level trace
+    trace: Any = None  # the trace itself (private JAX; see _jax_private)
     records: list[LookupRecord] = dataclasses.field(default_factory=list)
     nested: set[int] = dataclasses.field(default_factory=set)
     # tap mode
@@ -84,19 +88,36 @@ class Tape:
             return self._top_level(k, table, ids, gather)
         if self.mode == "tap" and k not in self.sparse_leaves:
             return None
-        return self._maybe_batched(k, table, ids, gather)
+        return self._below_top(k, table, ids, gather)
 
-    def _maybe_batched(self, k, table, ids, gather):
-        """A lookup below the top level: sparse only directly under one ``vmap``.
+    def _below_top(self, k, table, ids, gather):
+        """A lookup below the top level: sparse if only ``vmap``s lie between.
 
         A tap closed over by a ``scan`` body or a ``vmap``ped function would
         receive a sum over iterations or batch elements while the ids differ.
-        ``custom_vmap`` hands us the whole batch of ids at the level of the
-        ``vmap`` call; if that level is the loss's top level, the batched lookup
-        is tapped there like any other. Anything else (``scan``, ``cond``, inner
-        ``jit``, ``checkpoint``, nested ``vmap``) falls back to dense.
+        If every trace between this lookup and the loss's top level is a
+        ``jax.vmap`` (Equinox-style per-example code, nested ``vmap``s of any
+        depth and ``in_axes``), the lookup is moved up to the top level:
+
+        * ids batched by none of those ``vmap``s (the same ids for every batch
+          element): the lookup's operations run at the top level already, so
+          it is tapped here (the tap's cotangent is the sum over the batch of
+          identical rows' gradients, which is right);
+        * otherwise a ``custom_vmap`` function, whose batching rule receives
+          the whole batch of ids one level up, where this is repeated.
+
+        Anything else (``scan``, ``cond``, inner ``jit``, ``checkpoint``, an
+        inner ``jax.grad``, or JAX internals unknown to
+        :mod:`jaxslices._jax_private`) falls back to dense.
         """
-        handled: list[bool] = []
+        route = _jax_private.vmap_route(self.trace, ids)
+        if route is None:
+            if self.mode == "tap":  # the earlier passes saw this lookup on top
+                raise RuntimeError(_NONDETERMINISTIC)
+            self.nested.add(k)
+            return None
+        if not route:
+            return self._top_level(k, table, ids, gather)
 
         @custom_vmap
         def lookup(ids):
@@ -104,16 +125,13 @@ class Tape:
 
         @lookup.def_vmap
         def rule(axis_size, in_batched, ids):
-            if trace_state() != self.state:
-                return jax.vmap(lambda i: gather(table, i))(ids), True
-            handled.append(True)
-            out = self._top_level(k, table, ids, gather)
+            if trace_state() == self.state:
+                out = self._top_level(k, table, ids, gather)
+            else:
+                out = self._below_top(k, table, ids, gather)
             return (gather(table, ids) if out is None else out), True
 
-        out = lookup(ids)
-        if not handled:
-            self.nested.add(k)
-        return out
+        return lookup(ids)
 
     def _top_level(self, k, table, ids, gather):
         if self.mode == "discover":
@@ -153,6 +171,7 @@ def current() -> Tape | None:
 @contextmanager
 def active(tape: Tape) -> Iterator[Tape]:
     tape.state = trace_state()
+    tape.trace = _jax_private.current_trace()
     _STACK.append(tape)
     try:
         yield tape

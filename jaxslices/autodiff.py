@@ -12,8 +12,9 @@ the primal's shape, so no rule can hand back a row-sparse gradient for a
    lookup rewritten as ``stop_gradient(table)[ids] + tap``. A table whose
    variable feeds anything but ``stop_gradient`` in that jaxpr is also read
    some other way (tied weights, transformed before the lookup, looked up
-   inside ``scan``/``cond``/an inner ``jit``/``checkpoint``/``vmap``): it falls
-   back to JAX's dense gradient, which is always correct.
+   inside ``scan``/``cond``/an inner ``jit``/``checkpoint``): it falls back to
+   JAX's dense gradient, which is always correct. Lookups under ``jax.vmap``
+   (nested too) are moved to the top level and stay sparse.
 3. **Differentiate** ``jax.value_and_grad`` with respect to the dense leaves and
    the taps, never the sparse tables, with each lookup read as
    ``table[ids] + tap``: the cotangent of each tap is exactly the rows'
@@ -92,7 +93,8 @@ def value_and_grad(
     batch; out-of-range ids are padding). Every other leaf gets exactly what
     ``jax.value_and_grad`` gives, and so does a table that is also read any other
     way (tied weights, transformed before the lookup, looked up inside ``scan``,
-    ``cond``, ``vmap``, an inner ``jit`` or ``checkpoint``).
+    ``cond``, an inner ``jit`` or ``checkpoint``). Lookups under ``jax.vmap``,
+    nested or not (Equinox-style per-example code), stay sparse.
 
     The loss is traced three times per call (discover, probe, differentiate);
     under ``jax.jit`` that cost is paid once per compilation.
