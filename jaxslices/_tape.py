@@ -71,26 +71,26 @@ class Tape:
     # flows through the gather (higher-order AD, gradient penalties, MAML).
     sever: bool = False
 
-    def leaf_of(self, table: Any) -> int | None:
-        for k, leaf in enumerate(self.candidates):
-            if leaf is table:
-                return k
-        return None
+    def leaves_of(self, table: Any) -> list[int]:
+        """The candidate leaves that are ``table`` (one array may be several)."""
+        return [k for k, leaf in enumerate(self.candidates) if leaf is table]
 
     def lookup(
         self, table: Any, ids: jax.Array, gather: Callable[[Any, jax.Array], Any]
     ) -> Any | None:
-        """Handle a lookup, or return ``None`` to let the caller do a plain one."""
-        k = self.leaf_of(table)
-        if k is None:
+        """Handle a lookup, or return ``None`` to let the caller do a plain one.
+
+        ``ids`` are already mapped into ``[0, V]`` (``V``: padding) and of the
+        index dtype; ``gather(table, ids)`` reads zeros for padding.
+        """
+        ks = self.leaves_of(table)
+        if not ks or (self.mode == "tap" and not self.sparse_leaves.intersection(ks)):
             return None
         if trace_state() == self.state:
-            return self._top_level(k, table, ids, gather)
-        if self.mode == "tap" and k not in self.sparse_leaves:
-            return None
-        return self._below_top(k, table, ids, gather)
+            return self._top_level(ks, table, ids, gather)
+        return self._below_top(ks, table, ids, gather)
 
-    def _below_top(self, k, table, ids, gather):
+    def _below_top(self, ks, table, ids, gather):
         """A lookup below the top level: sparse if only ``vmap``s lie between.
 
         A tap closed over by a ``scan`` body or a ``vmap``ped function would
@@ -114,10 +114,10 @@ class Tape:
         if route is None:
             if self.mode == "tap":  # the earlier passes saw this lookup on top
                 raise RuntimeError(_NONDETERMINISTIC)
-            self.nested.add(k)
+            self.nested.update(ks)
             return None
         if not route:
-            return self._top_level(k, table, ids, gather)
+            return self._top_level(ks, table, ids, gather)
 
         @custom_vmap
         def lookup(ids):
@@ -126,25 +126,28 @@ class Tape:
         @lookup.def_vmap
         def rule(axis_size, in_batched, ids):
             if trace_state() == self.state:
-                out = self._top_level(k, table, ids, gather)
+                out = self._top_level(ks, table, ids, gather)
             else:
-                out = self._below_top(k, table, ids, gather)
+                out = self._below_top(ks, table, ids, gather)
             return (gather(table, ids) if out is None else out), True
 
         return lookup(ids)
 
-    def _top_level(self, k, table, ids, gather):
+    def _top_level(self, ks, table, ids, gather):
         if self.mode == "discover":
+            # Discovery traces every candidate as its own tracer: one leaf.
             self.records.append(
-                LookupRecord(k, tuple(ids.shape), tuple(table.shape[1:]), table.dtype)
+                LookupRecord(
+                    ks[0], tuple(ids.shape), tuple(table.shape[1:]), table.dtype
+                )
             )
             return None
-        if k not in self.sparse_leaves:
-            return None
+        # One array object may be bound to several leaves ({"user": z, "item": z}):
+        # the lookups come in the order discovery recorded them.
         if self.cursor >= len(self.expected):
             raise RuntimeError(_NONDETERMINISTIC)
         rec = self.expected[self.cursor]
-        if rec.leaf != k or rec.ids_shape != tuple(ids.shape):
+        if rec.leaf not in ks or rec.ids_shape != tuple(ids.shape):
             raise RuntimeError(_NONDETERMINISTIC)
         tap = self.taps[self.cursor]
         self.cursor += 1
@@ -158,7 +161,9 @@ _NONDETERMINISTIC = (
     "jaxslices.value_and_grad: the loss function made different embedding lookups "
     "on different traces. The loss is traced several times (to discover lookups, "
     "then to differentiate); it must make the same lookups, in the same order and "
-    "with the same id shapes, every time it is traced."
+    "with the same id shapes, every time it is traced. (This also happens when one "
+    "array object is both a differentiated leaf and read through a closure or a "
+    "non-differentiated argument: pass it once.)"
 )
 
 _STACK: list[Tape] = []

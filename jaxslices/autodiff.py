@@ -31,6 +31,7 @@ lookups each time it is traced.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,14 +46,32 @@ __all__ = ["value_and_grad", "grad"]
 
 
 def _argnums_tuple(argnums: int | Sequence[int], nargs: int) -> tuple[int, ...]:
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    """Positive argnums; NumPy integers accepted, as ``jax.value_and_grad`` does."""
+    nums = (argnums,) if _is_index(argnums) else tuple(argnums)
     for i in nums:
-        if not isinstance(i, int) or not -nargs <= i < nargs:
+        if not _is_index(i) or not -nargs <= operator.index(i) < nargs:
             raise ValueError(
                 f"jaxslices.value_and_grad: argnums {argnums!r} out of range for a "
                 f"call with {nargs} positional arguments."
             )
-    return tuple(i % nargs for i in nums)
+    return tuple(operator.index(i) % nargs for i in nums)
+
+
+def _is_index(x: Any) -> bool:
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return not isinstance(x, bool)
+
+
+def _as_jax(x: Any) -> Any:
+    """NumPy leaves become JAX arrays (as ``jax.value_and_grad`` would see them).
+
+    The lookups recognise a table by identity with its leaf, and a NumPy table
+    has no ``.at``: converting once here serves both.
+    """
+    return jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
 
 
 def _uses_only_stop_gradient(jaxpr: Any, var: Any) -> bool:
@@ -68,12 +87,11 @@ def _uses_only_stop_gradient(jaxpr: Any, var: Any) -> bool:
 def _pack(
     rows: list[jax.Array], ids: list[jax.Array], shape: tuple[int, ...]
 ) -> IndexedSlices:
+    """Concatenate the taps' cotangents and ids (already in ``[0, V]``)."""
     num_rows = shape[0]
-    idtype = jnp.int32 if num_rows < np.iinfo(np.int32).max else jnp.int64
-    flat_ids = jnp.concatenate([i.reshape(-1).astype(idtype) for i in ids])
+    flat_ids = jnp.concatenate([i.reshape(-1) for i in ids])
     values = jnp.concatenate([r.reshape(-1, *shape[1:]) for r in rows])
-    valid = (flat_ids >= 0) & (flat_ids < num_rows)
-    flat_ids = jnp.where(valid, flat_ids, num_rows)
+    valid = flat_ids < num_rows  # padding slots (V) get zero values
     mask = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
     values = jnp.where(mask, values, jnp.zeros((), values.dtype))
     return IndexedSlices(values, flat_ids, shape)
@@ -124,6 +142,7 @@ def value_and_grad(
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         nums = _argnums_tuple(argnums, len(args))
         leaves, treedef = jax.tree.flatten([args[i] for i in nums])
+        leaves = [_as_jax(x) for x in leaves]
 
         def call(leaf_values: Sequence[Any]) -> Any:
             new_args = list(args)
@@ -134,7 +153,8 @@ def value_and_grad(
             return fun(*new_args, **kwargs)
 
         def dense_fallback():
-            return jax.value_and_grad(fun, argnums, has_aux)(*args, **kwargs)
+            single = nums[0] if _is_index(argnums) else nums
+            return jax.value_and_grad(fun, single, has_aux)(*args, **kwargs)
 
         candidates = [
             k
@@ -221,7 +241,7 @@ def value_and_grad(
                 [g_taps[j] for j in mine], [ids[j] for j in mine], leaves[k].shape
             )
         per_arg = jax.tree.unflatten(treedef, grads)
-        g = per_arg[0] if isinstance(argnums, int) else tuple(per_arg)
+        g = per_arg[0] if _is_index(argnums) else tuple(per_arg)
         return ((value, aux) if has_aux else value), g
 
     return wrapped
