@@ -19,6 +19,7 @@ A future backend (JAX's backward-pass logs) would replace this module only.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -166,22 +167,37 @@ _NONDETERMINISTIC = (
     "non-differentiated argument: pass it once.)"
 )
 
-_STACK: list[Tape] = []
+
+class _State(threading.local):
+    """Per-thread stack of active tapes.
+
+    JAX traces a function in the thread that calls it (also under ``jax.jit``),
+    and JAX's own trace state is thread-local, so two threads tracing
+    ``value_and_grad`` at the same time must not see each other's tapes.
+    """
+
+    def __init__(self) -> None:
+        self.stack: list[Tape] = []
+
+
+_STATE = _State()
 
 
 def current() -> Tape | None:
-    return _STACK[-1] if _STACK else None
+    stack = _STATE.stack
+    return stack[-1] if stack else None
 
 
 @contextmanager
 def active(tape: Tape) -> Iterator[Tape]:
     tape.state = trace_state()
     tape.trace = _jax_private.current_trace()
-    _STACK.append(tape)
+    stack = _STATE.stack
+    stack.append(tape)
     try:
         yield tape
     finally:
-        _STACK.pop()
+        stack.pop()
 
 
 def zeros_tap(rec: LookupRecord) -> jax.Array:
