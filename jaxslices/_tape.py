@@ -64,6 +64,7 @@ class Tape:
     taps: list[Any] = dataclasses.field(default_factory=list)
     expected: list[LookupRecord] = dataclasses.field(default_factory=list)
     ids: list[Any] = dataclasses.field(default_factory=list)
+    rows: list[Any] = dataclasses.field(default_factory=list)  # the gathers
     cursor: int = 0
     # Probe only: read the table through ``stop_gradient`` so that any other use
     # of it shows in the jaxpr. The differentiating pass reads it directly: the
@@ -155,7 +156,9 @@ class Tape:
         self.ids.append(ids)
         if self.sever:
             table = jax.lax.stop_gradient(table)
-        return gather(table, ids) + tap
+        rows = gather(table, ids)
+        self.rows.append(rows)
+        return rows + tap
 
 
 _NONDETERMINISTIC = (

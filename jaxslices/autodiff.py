@@ -85,15 +85,29 @@ def _uses_only_stop_gradient(jaxpr: Any, var: Any) -> bool:
 
 
 def _pack(
-    rows: list[jax.Array], ids: list[jax.Array], shape: tuple[int, ...]
+    cts: list[jax.Array],
+    ids: list[jax.Array],
+    rows: list[jax.Array],
+    shape: tuple[int, ...],
 ) -> IndexedSlices:
-    """Concatenate the taps' cotangents and ids (already in ``[0, V]``)."""
+    """Concatenate the taps' cotangents and ids (already in ``[0, V]``).
+
+    ``rows`` are the forward gathers of the table (zeros at padding slots).
+    The values are made to depend on them: the padding slots' zeros are taken
+    as ``0 * rows`` there. An in-place update of the table (donated params)
+    then depends on every read of it through the lookups. Without that, a loss
+    linear in the rows has a gradient that does not depend on them, nothing
+    orders the gather before the scatter, and XLA copies the whole table to
+    keep the gather's input alive (``lax.optimization_barrier`` with an unused
+    output does not help: XLA drops it before copy insertion).
+    """
     num_rows = shape[0]
     flat_ids = jnp.concatenate([i.reshape(-1) for i in ids])
-    values = jnp.concatenate([r.reshape(-1, *shape[1:]) for r in rows])
+    values = jnp.concatenate([r.reshape(-1, *shape[1:]) for r in cts])
+    read = jnp.concatenate([r.reshape(-1, *shape[1:]) for r in rows])
     valid = flat_ids < num_rows  # padding slots (V) get zero values
     mask = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
-    values = jnp.where(mask, values, jnp.zeros((), values.dtype))
+    values = jnp.where(mask, values, jnp.zeros((), values.dtype) * read)
     return IndexedSlices(values, flat_ids, shape)
 
 
@@ -199,7 +213,7 @@ def value_and_grad(
                 out = call(values)
             if tape.cursor != len(records):
                 raise RuntimeError(_tape._NONDETERMINISTIC)
-            return out, tape.ids
+            return out, (tape.ids, tape.rows)
 
         # 2. Probe: is each table read any other way than through its taps?
         def probe_fn(tables, taps):
@@ -228,7 +242,7 @@ def value_and_grad(
                 return value, (aux, ids)
             return out, (None, ids)
 
-        (value, (aux, ids)), (g_dense, g_taps) = jax.value_and_grad(
+        (value, (aux, (ids, rows))), (g_dense, g_taps) = jax.value_and_grad(
             diff_fn, argnums=(0, 1), has_aux=True
         )([leaves[k] for k in dense], taps)
 
@@ -238,7 +252,10 @@ def value_and_grad(
         for k in sparse:
             mine = [j for j, r in enumerate(records) if r.leaf == k]
             grads[k] = _pack(
-                [g_taps[j] for j in mine], [ids[j] for j in mine], leaves[k].shape
+                [g_taps[j] for j in mine],
+                [ids[j] for j in mine],
+                [rows[j] for j in mine],
+                leaves[k].shape,
             )
         per_arg = jax.tree.unflatten(treedef, grads)
         g = per_arg[0] if _is_index(argnums) else tuple(per_arg)
