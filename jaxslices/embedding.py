@@ -4,8 +4,22 @@ Ids policy (forward and backward agree): an id outside ``[0, V)`` (negative or
 ``>= V``, with ``V = table.shape[0]``) reads a row of zeros and receives no
 gradient; in a sparse gradient its slot is padding (index ``V``). JAX's own
 ``table[ids]`` would instead clamp out-of-range ids to the last row and wrap
-negative ones from the end, reading (and training) rows nobody asked for. Pass
-``check_ids=True`` to raise an error instead, also under ``jax.jit``.
+negative ones from the end, reading (and training) rows nobody asked for. Ids
+of any integer dtype are range-checked in their own dtype before being cast to
+the index dtype (``int32``, ``int64`` for tables of ``2**31`` rows or more).
+
+Pass ``check_ids=True`` (or call :func:`check_ids`) to raise an error instead.
+The message names the function you called and gives how many of your ids are
+out of range and their min and max (your ids as passed: for
+:func:`embedding_bag`, the non-padding ones). What to catch:
+
+* concrete ids (NumPy arrays, lists, JAX arrays outside any transformation):
+  ``ValueError``, raised at the call;
+* traced ids (under ``jax.jit``, and other transformations that trace the ids):
+  the check runs on the device through ``jax.debug.callback`` and JAX raises
+  ``jax.errors.JaxRuntimeError`` (a ``RuntimeError``) with the message, when
+  the result is computed: catch it around the jitted call and
+  ``jax.block_until_ready`` of its result.
 """
 
 from __future__ import annotations
