@@ -1,26 +1,32 @@
-"""Internal: the "tape" that connects embedding lookups to ``value_and_grad``.
+"""Internal: the tap backend of ``value_and_grad`` (the default, and only one).
 
-This is the one small interface behind which the sparse-gradient mechanism
-lives (see ``docs/sparse_gradients.md``). ``embedding_lookup`` asks the active
-tape, if any, to handle a lookup; ``value_and_grad`` runs the loss under a tape
-in one of two modes:
+``value_and_grad`` talks to it through four functions, so that another backend
+(JAX's backward-pass logs, when they ship) is one module with the same four:
 
-* ``discover``: record which parameter leaves are looked up at the loss's top
-  level (or below ``vmap``s only), with the shapes of their ids; mark leaves
-  seen in other nested scopes (``scan``, ``cond``, inner ``jit``,
-  ``checkpoint``) as dense.
-* ``tap``: replace each recorded lookup by ``table[ids] + tap``, so that the
-  cotangent of ``tap`` is exactly the row gradient, and collect the ids (the
-  probe reads ``stop_gradient(table)[ids] + tap`` instead, to see other uses).
+* :func:`discover` (``jax.eval_shape``): which float leaves the loss looks up at
+  its top level (or below ``vmap``s only), with the shapes of their ids; leaves
+  looked up in other nested scopes (``scan``, ``cond``, inner ``jit``,
+  ``checkpoint``) are left dense. Returns a :class:`Plan`.
+* :func:`probe` (``jax.make_jaxpr``): each lookup read as
+  ``stop_gradient(table)[ids] + tap``; a table whose jaxpr variable feeds
+  anything else is read some other way and is dropped from the plan.
+* :func:`run`: ``jax.value_and_grad`` with respect to the dense leaves and the
+  taps, each lookup read as ``table[ids] + tap`` (the table is a constant to
+  this differentiation, not to an outer one): the cotangent of a tap is exactly
+  the rows' gradient.
+* :func:`pack`: the taps' cotangents and ids as one ``IndexedSlices`` per table.
 
-A future backend (JAX's backward-pass logs) would replace this module only.
+``embedding_lookup`` reaches the active tape through :func:`lookup`. Active
+tapes live on a per-thread stack: JAX traces in the calling thread (also under
+``jax.jit``) and keeps its own trace state per thread, so concurrent traces in
+several threads never see each other's tapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,6 +35,7 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 from . import _jax_private
+from .slices import IndexedSlices
 
 try:  # public since JAX 0.4.36 (stackless tracing)
     from jax.extend.core import get_opaque_trace_state as _trace_state
@@ -186,13 +193,8 @@ class _State(threading.local):
 _STATE = _State()
 
 
-def current() -> Tape | None:
-    stack = _STATE.stack
-    return stack[-1] if stack else None
-
-
 @contextmanager
-def active(tape: Tape) -> Iterator[Tape]:
+def _active(tape: Tape) -> Iterator[Tape]:
     tape.state = trace_state()
     tape.trace = _jax_private.current_trace()
     stack = _STATE.stack
@@ -203,5 +205,165 @@ def active(tape: Tape) -> Iterator[Tape]:
         stack.pop()
 
 
-def zeros_tap(rec: LookupRecord) -> jax.Array:
+def _zeros_tap(rec: LookupRecord) -> jax.Array:
     return jnp.zeros(rec.ids_shape + rec.row_shape, rec.dtype)
+
+
+def lookup(
+    table: Any, ids: jax.Array, gather: Callable[[Any, jax.Array], Any]
+) -> Any | None:
+    """The active tape's version of a lookup, or ``None`` for a plain one."""
+    stack = _STATE.stack
+    return stack[-1].lookup(table, ids, gather) if stack else None
+
+
+# ------------------------------------------------- the interface value_and_grad uses
+
+Call = Callable[[Sequence[Any]], Any]
+"""Runs the loss with the given values for the differentiated leaves."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The leaves that get sparse gradients and their lookups, in call order."""
+
+    sparse: tuple[int, ...]
+    records: tuple[LookupRecord, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tapped:
+    """What :func:`run` hands to :func:`pack`: one entry per recorded lookup."""
+
+    cts: list[Any]  # the taps' cotangents: the rows' gradients
+    ids: list[Any]  # the ids, in [0, V] (V: padding)
+    rows: list[Any]  # the forward gathers
+
+
+def discover(call: Call, leaves: Sequence[Any]) -> Plan:
+    """Trace the loss abstractly and record its top-level lookups."""
+    candidates = [
+        k
+        for k, x in enumerate(leaves)
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    tape = Tape("discover", candidates=[])
+
+    def fn(*cands):
+        values = list(leaves)
+        for k, c in zip(candidates, cands, strict=True):
+            values[k] = c
+        tape.candidates = values
+        with _active(tape):
+            call(values)
+
+    if candidates:
+        jax.eval_shape(fn, *[leaves[k] for k in candidates])
+    looked_up = {r.leaf for r in tape.records}
+    sparse = tuple(sorted((looked_up - tape.nested) & set(candidates)))
+    return Plan(sparse, tuple(r for r in tape.records if r.leaf in sparse))
+
+
+def _run_tapped(call, leaves, plan, replace, replacements, taps, sever):
+    """Run the loss with some leaves replaced and the plan's lookups tapped."""
+    values = list(leaves)
+    for k, v in zip(replace, replacements, strict=True):
+        values[k] = v
+    tape = Tape(
+        "tap",
+        candidates=values,
+        sparse_leaves=frozenset(plan.sparse),
+        taps=list(taps),
+        expected=list(plan.records),
+        sever=sever,
+    )
+    with _active(tape):
+        out = call(values)
+    if tape.cursor != len(plan.records):
+        raise RuntimeError(_NONDETERMINISTIC)
+    return out, tape
+
+
+def probe(call: Call, leaves: Sequence[Any], plan: Plan, has_aux: bool) -> Plan:
+    """Keep the tables the loss reads through their lookups only."""
+    if not plan.sparse:
+        return plan
+
+    def fn(tables, taps):
+        out, _ = _run_tapped(call, leaves, plan, plan.sparse, tables, taps, True)
+        return out[0] if has_aux else out
+
+    taps = [_zeros_tap(r) for r in plan.records]
+    closed = jax.make_jaxpr(fn)([leaves[k] for k in plan.sparse], taps)
+    table_vars = closed.jaxpr.invars[: len(plan.sparse)]
+    sparse = tuple(
+        k
+        for k, var in zip(plan.sparse, table_vars, strict=True)
+        if _uses_only_stop_gradient(closed.jaxpr, var)
+    )
+    return Plan(sparse, tuple(r for r in plan.records if r.leaf in sparse))
+
+
+def _uses_only_stop_gradient(jaxpr: Any, var: Any) -> bool:
+    """True if ``var`` feeds nothing but ``stop_gradient`` at top level."""
+    if any(var is v for v in jaxpr.outvars):
+        return False
+    for eqn in jaxpr.eqns:
+        if any(var is v for v in eqn.invars) and eqn.primitive.name != "stop_gradient":
+            return False
+    return True
+
+
+def run(
+    call: Call, leaves: Sequence[Any], plan: Plan, has_aux: bool
+) -> tuple[tuple[Any, Any], dict[int, Any], Tapped]:
+    """Differentiate: ``((value, aux), {dense leaf: gradient}, tapped lookups)``."""
+    dense = [k for k in range(len(leaves)) if k not in plan.sparse]
+    taps = [_zeros_tap(r) for r in plan.records]
+
+    def fn(dense_values, taps):
+        out, tape = _run_tapped(call, leaves, plan, dense, dense_values, taps, False)
+        value, aux = out if has_aux else (out, None)
+        return value, (aux, tape.ids, tape.rows)
+
+    (value, (aux, ids, rows)), (g_dense, g_taps) = jax.value_and_grad(
+        fn, argnums=(0, 1), has_aux=True
+    )([leaves[k] for k in dense], taps)
+    g_dense = dict(zip(dense, g_dense, strict=True))
+    return (value, aux), g_dense, Tapped(g_taps, ids, rows)
+
+
+def pack(plan: Plan, tapped: Tapped, leaves: Sequence[Any]) -> dict[int, IndexedSlices]:
+    """One ``IndexedSlices`` per sparse leaf: its lookups, concatenated."""
+    out = {}
+    for k in plan.sparse:
+        mine = [j for j, r in enumerate(plan.records) if r.leaf == k]
+        out[k] = _pack(
+            [tapped.cts[j] for j in mine],
+            [tapped.ids[j] for j in mine],
+            [tapped.rows[j] for j in mine],
+            tuple(leaves[k].shape),
+        )
+    return out
+
+
+def _pack(cts, ids, rows, shape) -> IndexedSlices:
+    """Concatenate the taps' cotangents and ids (already in ``[0, V]``).
+
+    ``rows`` are the forward gathers of the table (zeros at padding slots).
+    The values are made to depend on them: the padding slots' zeros are taken
+    as ``0 * rows`` there. An in-place update of the table (donated params)
+    then depends on every read of it through the lookups. Without that, a loss
+    linear in the rows has a gradient that does not depend on them, nothing
+    orders the gather before the scatter, and XLA copies the whole table to
+    keep the gather's input alive (``lax.optimization_barrier`` with an unused
+    output does not help: XLA drops it before copy insertion).
+    """
+    num_rows = shape[0]
+    flat_ids = jnp.concatenate([i.reshape(-1) for i in ids])
+    values = jnp.concatenate([r.reshape(-1, *shape[1:]) for r in cts])
+    read = jnp.concatenate([r.reshape(-1, *shape[1:]) for r in rows])
+    valid = flat_ids < num_rows  # padding slots (V) get zero values
+    mask = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
+    values = jnp.where(mask, values, jnp.zeros((), values.dtype) * read)
+    return IndexedSlices(values, flat_ids, shape)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from . import _tape
+from . import _backend, _tape
 
 __all__ = ["embedding_lookup", "embedding_bag", "check_ids"]
 
@@ -193,7 +193,17 @@ def _as_ids(ids: Any, where: str) -> Any:
     return ids
 
 
-def _check_lookup_args(table: Any, ids: Any, where: str) -> tuple[jax.Array, Any]:
+def _prepare(table: Any, ids: Any, where: str) -> tuple[Any, Any, int, Any]:
+    """Validate the arguments: ``(table, ids, num_rows, handler)``.
+
+    BACKEND HOOK: a lookup handler registered in :mod:`jaxslices._backend`
+    (e.g. the opt-in native backend's table type) may claim ``table``; its
+    ``lookup`` then replaces the default path in :func:`_lookup_rows`. This
+    is the one place where lookups consult another backend.
+    """
+    handler = _backend.handler_for(table)
+    if handler is not None:
+        return table, _as_ids(ids, where), int(handler.num_rows(table)), handler
     if not isinstance(table, jax.Array):  # NumPy arrays, lists
         table = jnp.asarray(table)
     if table.ndim < 1:
@@ -201,7 +211,7 @@ def _check_lookup_args(table: Any, ids: Any, where: str) -> tuple[jax.Array, Any
             f"{where}: `table` must have at least one dimension (rows), got a "
             f"scalar of shape {tuple(table.shape)}."
         )
-    return table, _as_ids(ids, where)
+    return table, _as_ids(ids, where), table.shape[0], None
 
 
 def embedding_lookup(
@@ -234,19 +244,24 @@ def embedding_lookup(
       Array([[[6., 7.],
               [0., 1.]]], dtype=float32)
     """
-    table, ids = _check_lookup_args(table, ids, "embedding_lookup")
-    num_rows = table.shape[0]
+    table, ids, num_rows, handler = _prepare(table, ids, "embedding_lookup")
     if check_ids:
         _check_ids(ids, num_rows, "embedding_lookup(check_ids=True)")
-    return _lookup_rows(table, _safe_ids(ids, num_rows), dtype)
+    return _lookup_rows(table, _safe_ids(ids, num_rows), dtype, handler)
 
 
-def _lookup_rows(table: jax.Array, safe_ids: jax.Array, dtype: Any) -> jax.Array:
-    """The lookup proper, on ids from :func:`_safe_ids`."""
-    tape = _tape.current()
-    out = tape.lookup(table, safe_ids, _gather) if tape is not None else None
-    if out is None:
-        out = _lookup(table, safe_ids)
+def _lookup_rows(table: Any, safe_ids: jax.Array, dtype: Any, handler: Any) -> Any:
+    """The lookup proper, on ids from :func:`_safe_ids`.
+
+    A claimed table goes to its backend's handler; an array to the tap backend
+    (active under ``value_and_grad``, else ``None``), then the plain lookup.
+    """
+    if handler is not None:
+        out = handler.lookup(table, safe_ids)
+    else:
+        out = _tape.lookup(table, safe_ids, _gather)
+        if out is None:
+            out = _lookup(table, safe_ids)
     if dtype is not None:
         out = out.astype(dtype)
     return out
@@ -293,7 +308,7 @@ def embedding_bag(
       >>> jaxslices.embedding_bag(table, jnp.array([[0, 2, 9]]), padding_id=9)
       Array([[3.]], dtype=float32)
     """
-    table, ids = _check_lookup_args(table, ids, "embedding_bag")
+    table, ids, num_rows, handler = _prepare(table, ids, "embedding_bag")
     if combiner not in _COMBINERS:
         raise ValueError(
             f"embedding_bag: `combiner` must be one of {_COMBINERS}, got {combiner!r}."
@@ -310,7 +325,6 @@ def embedding_bag(
                 "embedding_bag: `weights` must have the shape of `ids` "
                 f"{tuple(ids.shape)}, got {tuple(weights.shape)}."
             )
-    num_rows = table.shape[0]
     info = np.iinfo(ids.dtype)
     if padding_id is not None and info.min <= padding_id <= info.max:
         present = ids != padding_id  # on the caller's own ids
@@ -325,7 +339,7 @@ def embedding_bag(
         # Padding reads zeros and gets no gradient: send it out of range.
         present = jnp.asarray(present)
         safe = jnp.where(present, safe, num_rows)
-    rows = _lookup_rows(table, safe, dtype)
+    rows = _lookup_rows(table, safe, dtype, handler)
     compute = rows.dtype
     w = present.astype(compute)
     if weights is not None:
