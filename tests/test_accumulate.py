@@ -202,3 +202,31 @@ def test_stock_optax_multisteps_raises_naming_indexed_slices():
     tx = optax.MultiSteps(js.sgd(0.1), K)
     with pytest.raises(ValueError, match=r"IndexedSlices(.|\n)*jaxslices\.MultiSteps"):
         tx.update(g, tx.init(params), params)
+
+
+def test_capacity_from_eval_shape_of_the_gradient_function():
+    """The recipe of docs/optax.md: k * N slots per table, found abstractly."""
+    rng = np.random.default_rng(6)
+    params = make_params(rng)
+    ids = jnp.asarray(rng.integers(0, V, size=(4, 2)))
+
+    def loss(p, ids):
+        return jnp.sum(js.embedding_lookup(p["emb"], ids) @ p["w"])
+
+    shapes = jax.eval_shape(js.grad(loss), params, ids)
+    capacity = jax.tree.map(
+        lambda g: K * g.num_slices if js.is_indexed_slices(g) else None,
+        shapes,
+        is_leaf=js.is_indexed_slices,
+    )
+    assert capacity == {"emb": K * 8, "w": None}
+    ms = js.MultiSteps(js.sgd(0.1), K, capacity=capacity)
+    state = ms.init(params)
+    p = params
+    for _ in range(K):
+        u, state = jax.jit(ms.update)(js.grad(loss)(p, ids), state, p)
+        p = js.apply_updates(p, u)
+    sgd = js.sgd(0.1)
+    g = js.grad(loss)(params, ids)
+    ref = js.apply_updates(params, sgd.update(g, sgd.init(params))[0])
+    assert_params_close(p, ref)
