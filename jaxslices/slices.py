@@ -198,9 +198,10 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
                 f"{tuple(values.shape)} (rows of shape {tuple(values.shape[1:])}) "
                 f"for dense_shape {dense_shape}."
             )
-        if not typed and dense_shape[0] > jnp.iinfo(indices.dtype).max:
+        plain = _typed_indices.unwrap(indices) if typed else indices
+        if dense_shape[0] > jnp.iinfo(plain.dtype).max:
             raise ValueError(
-                f"IndexedSlices: indices of dtype {jnp.dtype(indices.dtype).name} "
+                f"IndexedSlices: indices of dtype {jnp.dtype(plain.dtype).name} "
                 f"cannot hold the padding index dense_shape[0] = {dense_shape[0]}; "
                 "use a wider integer dtype such as int32."
             )

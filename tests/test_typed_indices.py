@@ -282,6 +282,8 @@ def test_typed_indices_accepted_by_the_constructor():
     child = jax.tree.leaves(s)[1]
     t = IndexedSlices(jnp.zeros((2, 1)), child, (3, 1))
     assert t._indices is child
+    with pytest.raises(ValueError, match="int32 cannot hold the padding index"):
+        IndexedSlices(jnp.zeros((2, 1)), child, (2**31 + 10, 1))
 
 
 def test_eager_messages_installed_on_this_jax():
