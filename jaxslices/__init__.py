@@ -9,6 +9,8 @@ in place, so a step costs what the batch touches, not what the table holds.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .accumulate import MultiSteps as MultiSteps
+from .accumulate import MultiStepsState as MultiStepsState
 from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
 from .embedding import check_ids as check_ids
@@ -54,6 +56,8 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "IndexedSlices",
+    "MultiSteps",
+    "MultiStepsState",
     "check_ids",
     "embedding_bag",
     "embedding_lookup",
