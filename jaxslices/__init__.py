@@ -25,6 +25,11 @@ from .slices import scatter_sub as scatter_sub
 from .slices import scatter_update as scatter_update
 from .slices import sparse_mask as sparse_mask
 from .slices import to_dense as to_dense
+from .transforms import AddDecayedWeightsState as AddDecayedWeightsState
+from .transforms import ScaleByLazyAdamState as ScaleByLazyAdamState
+from .transforms import ScaleByRssState as ScaleByRssState
+from .transforms import ScaleByScheduleState as ScaleByScheduleState
+from .transforms import TraceState as TraceState
 from .transforms import adagrad as adagrad
 from .transforms import add_decayed_weights as add_decayed_weights
 from .transforms import clip as clip
@@ -80,4 +85,9 @@ __all__ = [
     "scale_by_schedule",
     "sgd",
     "trace",
+    "AddDecayedWeightsState",
+    "ScaleByLazyAdamState",
+    "ScaleByRssState",
+    "ScaleByScheduleState",
+    "TraceState",
 ]

@@ -12,9 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxslices as js
-from jaxslices import IndexedSlices
+from jaxslices import IndexedSlices, _rowwise
 from jaxslices import slices as slices_mod
-from jaxslices import transforms as tr
 
 V, D, H = 10, 3, 2  # table rows, embedding dim, hidden
 SCHED = optax.linear_schedule(0.1, 0.01, 5)
@@ -375,8 +374,8 @@ def test_clip_by_global_norm_below_threshold_is_identity():
 def test_global_norm_helper_equals_slices_global_norm():
     rng = np.random.default_rng(6)
     g = make_grads(rng, 1, invalid=True)[0]
-    np.testing.assert_array_equal(tr._global_norm(g), js.global_norm(g))
-    assert float(tr._global_norm({})) == 0.0
+    np.testing.assert_array_equal(_rowwise.global_norm(g), js.global_norm(g))
+    assert float(_rowwise.global_norm({})) == 0.0
 
 
 def numpy_row_clip(x, max_norm):
@@ -779,50 +778,20 @@ def test_apply_if_finite_skips_non_finite_sparse_steps():
 # ------------------------------------------------------------- coalescing
 
 
-def test_all_coalescing_goes_through_one_function(monkeypatch):
-    calls = {"inside": 0, "outside": 0}
-    depth = [0]
-    real_coalesce = slices_mod.coalesce
-    real_hook = tr._coalesce_for_update
+def count_sorts(tx, grads, params):
+    """Sorts in the lowered program of one ``tx.update`` (one per coalesce)."""
+    text = jax.jit(tx.update).lower(grads, tx.init(params), params).as_text()
+    return text.count("stablehlo.sort")
 
-    def counting_coalesce(s):
-        calls["inside" if depth[0] else "outside"] += 1
-        return real_coalesce(s)
 
-    def hook(s):
-        depth[0] += 1
-        try:
-            return real_hook(s)
-        finally:
-            depth[0] -= 1
-
-    monkeypatch.setattr(slices_mod, "coalesce", counting_coalesce)
-    monkeypatch.setattr(tr, "_coalesce_for_update", hook)
-    rng = np.random.default_rng(22)
+@pytest.mark.parametrize(
+    "name, sorts",
+    [("sgd", 0), ("scale", 0), ("lazy_adam", 1), ("lazy_adamw", 1), ("adagrad", 1)],
+)
+def test_coalesces_at_most_once_per_table(name, sorts):
+    rng = np.random.default_rng(23)
     params = make_params(rng)
-    for make_tx in MEMORY.values():
-        run(make_tx(), params, make_grads(rng, steps=1), jit=False)
-    assert calls["outside"] == 0 and calls["inside"] > 0
-
-
-def test_lazy_adamw_coalesces_once_per_table():
-    count = [0]
-    real = tr._coalesce_for_update
-
-    def hook(s):
-        count[0] += 1
-        return real(s)
-
-    tr_hook = pytest.MonkeyPatch()
-    tr_hook.setattr(tr, "_coalesce_for_update", hook)
-    try:
-        rng = np.random.default_rng(23)
-        params = make_params(rng)
-        tx = js.lazy_adamw(0.1)
-        tx.update(make_grads(rng, 1)[0], tx.init(params), params)
-    finally:
-        tr_hook.undo()
-    assert count[0] == 1
+    assert count_sorts(ALL[name](), make_grads(rng, 1)[0], params) == sorts
 
 
 # ------------------------------------------------------------------ property
