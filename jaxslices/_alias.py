@@ -6,21 +6,32 @@ its Optax namesake) or, for FTRL, one rule given to the row-wise helper.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
 from . import _transform
-from ._rowwise import ScalarOrSchedule
+from ._rowwise import ScalarOrSchedule, rowwise_update, zeros_like
 from ._transform import (
     scale_by_lazy_adam,
     scale_by_learning_rate,
+    scale_by_rowwise_rss,
     scale_by_rss,
     trace,
 )
 
-__all__ = ["adagrad", "lazy_adam", "lazy_adamw", "sgd"]
+__all__ = [
+    "FtrlState",
+    "adagrad",
+    "ftrl",
+    "lazy_adam",
+    "lazy_adamw",
+    "rowwise_adagrad",
+    "sgd",
+]
 
 
 def sgd(
@@ -201,3 +212,199 @@ def lazy_adamw(
         _transform._add_decayed_weights(weight_decay, mask, coalesced=True),
         scale_by_learning_rate(learning_rate),
     )
+
+
+def rowwise_adagrad(
+    learning_rate: ScalarOrSchedule,
+    initial_accumulator_value: ArrayLike = 0.0,
+    eps: ArrayLike = 1e-8,
+) -> optax.GradientTransformationExtraArgs:
+    """Row-wise Adagrad: one accumulator per table row (FBGEMM's exact rule).
+
+    For a table (rank >= 2, rows on axis 0) the state is one float per row.
+    For each row ``r`` a step touches (duplicate ids summed first)::
+
+        acc[r] += mean(g[r] ** 2)          # over the row's elements
+        update[r] = -learning_rate * g[r] / (sqrt(acc[r]) + eps)
+
+    Rank-0 and rank-1 leaves keep one accumulator per element, same formula.
+    **Sparse equals dense:** a row with a zero gradient keeps its accumulator
+    and does not move in the dense rule either, so untouched rows and their
+    state are unchanged and the sparse update is the dense one. Optimizer
+    state for a ``(V, D)`` float32 table is ``4 V`` bytes instead of
+    Adagrad's ``4 V D``.
+
+    Args:
+      learning_rate: a scalar or an Optax schedule.
+      initial_accumulator_value: starting value of every accumulator.
+      eps: added to the square root in the denominator.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs`; the state is the
+      :func:`optax.chain` state of ``(scale_by_rowwise_rss, learning rate)``.
+
+    References:
+      FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` (``fbgemm_gpu`` split table-batched
+      embeddings; TorchRec's default for embedding tables);
+      Duchi et al., 2011, `Adaptive Subgradient Methods
+      <https://jmlr.org/papers/v12/duchi11a.html>`_.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> params = jnp.zeros((3, 2))
+      >>> g = jaxslices.IndexedSlices(jnp.ones((2, 2)), jnp.array([1, 1]), (3, 2))
+      >>> tx = jaxslices.rowwise_adagrad(1.0)
+      >>> u, state = tx.update(g, tx.init(params))
+      >>> state[0].sum_of_squares  # one float per row: mean((1 + 1) ** 2)
+      Array([0., 4., 0.], dtype=float32)
+      >>> jaxslices.apply_updates(params, u)[1]
+      Array([-1., -1.], dtype=float32)
+    """
+    return optax.chain(
+        scale_by_rowwise_rss(initial_accumulator_value, eps),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+class FtrlState(NamedTuple):
+    """State of :func:`ftrl`: step count, accumulator ``n`` and linear ``z``."""
+
+    count: jax.Array  # int32 scalar, for learning-rate schedules
+    accumulator: Any
+    linear: Any
+
+
+def _check_nonnegative(**kwargs: Any) -> None:
+    for name, value in kwargs.items():
+        if isinstance(value, (int, float)) and value < 0:
+            raise ValueError(f"jaxslices.ftrl: `{name}` must be >= 0, got {value}.")
+
+
+def ftrl(
+    learning_rate: ScalarOrSchedule,
+    learning_rate_power: ArrayLike = -0.5,
+    initial_accumulator_value: ArrayLike = 0.1,
+    l1: ArrayLike = 0.0,
+    l2: ArrayLike = 0.0,
+    l2_shrinkage: ArrayLike = 0.0,
+    beta: ArrayLike = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+    r"""FTRL-proximal (Keras 3 ``Ftrl``), touched rows only for sparse leaves.
+
+    Per element, with ``lr`` the learning rate, ``p`` the parameter, ``n`` the
+    accumulator and ``z`` the linear state (``k = -learning_rate_power``)::
+
+        g_s   = g + 2 * l2_shrinkage * p
+        n_new = n + g ** 2
+        z    += g_s - (n_new ** k - n ** k) / lr * p
+        q     = n_new ** k / lr + 2 * (l2 + beta / (2 * lr))
+        p_new = (clip(z, -l1, l1) - z) / q
+        update = p_new - p
+
+    The update is the new parameter minus the old one, so ``update`` needs the
+    ``params``, and ``ftrl`` includes its learning rate (do not chain a
+    ``scale_by_learning_rate`` after it). Dense leaves: Keras 3's formula
+    exactly, in the parameter's dtype (adding the update back may round the
+    new parameter in its last bit).
+
+    Sparse leaves are **lazy**: duplicate ids are summed, then the formula
+    runs on the touched rows only, and untouched rows keep their parameters,
+    ``n`` and ``z`` (TensorFlow's ``SparseApplyFtrl``). This differs from
+    dense FTRL on the dense gradient in two places: dense FTRL sets every row
+    to its closed form ``p_new`` each step, so a row never touched since
+    initialisation moves from its initial value to ``0`` (sparse: it keeps its
+    initial value until first touched); and with ``l2_shrinkage > 0`` dense
+    FTRL updates ``z`` (and the parameter) of every row every step through the
+    ``2 * l2_shrinkage * p`` term, sparse FTRL only for touched rows. With
+    ``l2_shrinkage = 0`` and every row touched each step they agree.
+
+    Args:
+      learning_rate: a positive scalar or an Optax schedule.
+      learning_rate_power: ``<= 0``; ``-0.5`` is the paper's rule, ``0`` a fixed
+        learning rate.
+      initial_accumulator_value: starting value of ``n`` (``>= 0``).
+      l1: L1 regularization strength (``>= 0``); drives parameters to exactly 0.
+      l2: L2 regularization strength (``>= 0``), the "online" L2 of the paper.
+      l2_shrinkage: L2 shrinkage strength (``>= 0``): an L2 penalty added to the
+        loss gradient.
+      beta: the paper's ``beta``, added to ``l2`` as ``beta / (2 * lr)``.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose state is a
+      :class:`FtrlState`.
+
+    References:
+      McMahan et al., 2013, `Ad Click Prediction: a View from the Trenches
+      <https://research.google.com/pubs/archive/41159.pdf>`_ (Algorithm 1);
+      Keras 3 ``keras.optimizers.Ftrl``; TensorFlow ``ApplyFtrlV2`` /
+      ``SparseApplyFtrlV2``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> params = jnp.array([0.5, 0.5, 0.5])
+      >>> g = jaxslices.IndexedSlices(jnp.array([1.0]), jnp.array([1]), (3,))
+      >>> tx = jaxslices.ftrl(0.1, l1=0.01)
+      >>> u, state = tx.update(g, tx.init(params), params)
+      >>> jaxslices.apply_updates(params, u).round(4)  # rows 0 and 2 untouched
+      Array([0.5   , 0.2529, 0.5   ], dtype=float32)
+    """
+    _check_nonnegative(
+        initial_accumulator_value=initial_accumulator_value,
+        l1=l1,
+        l2=l2,
+        l2_shrinkage=l2_shrinkage,
+    )
+    if isinstance(learning_rate_power, (int, float)) and learning_rate_power > 0:
+        raise ValueError(
+            "jaxslices.ftrl: `learning_rate_power` must be <= 0 (-0.5 is the "
+            f"paper's rule), got {learning_rate_power}."
+        )
+    if isinstance(learning_rate, (int, float)) and learning_rate <= 0:
+        raise ValueError(
+            f"jaxslices.ftrl: `learning_rate` must be > 0, got {learning_rate}."
+        )
+
+    def init_fn(params):
+        return FtrlState(
+            count=jnp.zeros([], jnp.int32),
+            accumulator=jax.tree.map(
+                lambda p: jnp.full_like(p, initial_accumulator_value), params
+            ),
+            linear=zeros_like(params),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        if params is None:
+            raise ValueError(
+                "jaxslices.ftrl needs the params (its update is the new parameter "
+                "minus the old): call `tx.update(updates, state, params)`."
+            )
+        lr_now = learning_rate
+        if callable(learning_rate):
+            lr_now = learning_rate(state.count)
+
+        def rule(g, states, p):
+            n, z = states
+            lr = jnp.asarray(lr_now, p.dtype)
+            g = g.astype(p.dtype)
+            k = -learning_rate_power
+            n_new = n + jnp.square(g)
+            pow_new = jnp.power(n_new, k)
+            sigma_p = (pow_new - jnp.power(n, k)) / lr * p
+            z_new = z + (g + 2 * l2_shrinkage * p) - sigma_p
+            q = pow_new / lr + 2 * (l2 + beta / (2.0 * lr))
+            p_new = (jnp.clip(z_new, -l1, l1) - z_new) / q
+            return p_new - p, (n_new, z_new)
+
+        updates, (n, z) = rowwise_update(
+            "ftrl",
+            rule,
+            updates,
+            [("state.accumulator", state.accumulator), ("state.linear", state.linear)],
+            params,
+        )
+        count = optax.safe_increment(state.count)
+        return updates, FtrlState(count=count, accumulator=n, linear=z)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

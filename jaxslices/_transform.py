@@ -31,6 +31,7 @@ from .slices import IndexedSlices
 __all__ = [
     "AddDecayedWeightsState",
     "ScaleByLazyAdamState",
+    "ScaleByRowwiseRssState",
     "ScaleByRssState",
     "ScaleByScheduleState",
     "TraceState",
@@ -39,6 +40,7 @@ __all__ = [
     "scale",
     "scale_by_lazy_adam",
     "scale_by_learning_rate",
+    "scale_by_rowwise_rss",
     "scale_by_rss",
     "scale_by_schedule",
     "trace",
@@ -361,9 +363,108 @@ def scale_by_rss(
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         updates, (acc,) = rowwise_update(
-            "scale_by_rss", rule, updates, [("state", state.sum_of_squares)]
+            "scale_by_rss",
+            rule,
+            updates,
+            [("state", state.sum_of_squares)],
         )
         return updates, ScaleByRssState(sum_of_squares=acc)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class ScaleByRowwiseRssState(NamedTuple):
+    """State of :func:`scale_by_rowwise_rss`: one accumulator per table row.
+
+    For a parameter of rank >= 2 the accumulator has shape ``(V,)``; for rank
+    0 and 1, the parameter's shape. Its dtype is at least float32.
+    """
+
+    sum_of_squares: Any
+
+
+def _rowwise_state_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape[:1] if len(shape) >= 2 else shape
+
+
+def _rowwise_state_dtype(dtype: Any) -> Any:
+    wide = jnp.promote_types(dtype, jnp.float32)
+    return jnp.finfo(wide).dtype if jnp.issubdtype(wide, jnp.inexact) else wide
+
+
+def scale_by_rowwise_rss(
+    initial_accumulator_value: ArrayLike = 0.0, eps: ArrayLike = 1e-8
+) -> optax.GradientTransformationExtraArgs:
+    """Row-wise Adagrad's scaling: one accumulator per row, ``g / (sqrt(acc) + eps)``.
+
+    For a table (rank >= 2, rows on axis 0) the state holds one float per row;
+    a step adds the mean of the squared entries of each row's gradient to the
+    row's accumulator and scales the row by ``1 / (sqrt(acc) + eps)``. For
+    rank-0 and rank-1 leaves there is one accumulator per element (the mean of
+    one square is that square). Sparse leaves are coalesced first (duplicate
+    ids summed, then squared); only the touched rows' accumulators change.
+    **Sparse equals dense**: a row with a zero gradient keeps its accumulator
+    and gets a zero update in the dense rule too. A ``(V, D)`` table needs
+    ``V`` floats of state instead of Adagrad's ``V * D``.
+
+    Args:
+      initial_accumulator_value: starting value of every accumulator.
+      eps: added to the square root in the denominator.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose state is a
+      :class:`ScaleByRowwiseRssState`.
+
+    References:
+      FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` (``fbgemm_gpu`` split table-batched
+      embeddings), TorchRec's default optimizer for embedding tables;
+      Duchi et al., 2011, `Adaptive Subgradient Methods
+      <https://jmlr.org/papers/v12/duchi11a.html>`_.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> tx = jaxslices.scale_by_rowwise_rss(eps=0.0)
+      >>> g = jaxslices.IndexedSlices(jnp.array([[1.0, 7.0]]), jnp.array([1]), (3, 2))
+      >>> u, state = tx.update(g, tx.init(jnp.zeros((3, 2))))
+      >>> state.sum_of_squares  # row 1: mean(1**2, 7**2) = 25
+      Array([ 0., 25.,  0.], dtype=float32)
+      >>> u.values  # g / sqrt(25)
+      Array([[0.2, 1.4]], dtype=float32)
+    """
+
+    def init_leaf(p):
+        if not (hasattr(p, "shape") and hasattr(p, "dtype")):
+            p = jnp.asarray(p)  # lists, Python scalars
+        return jnp.full(
+            _rowwise_state_shape(tuple(p.shape)),
+            initial_accumulator_value,
+            _rowwise_state_dtype(p.dtype),
+        )
+
+    def init_fn(params):
+        return ScaleByRowwiseRssState(sum_of_squares=jax.tree.map(init_leaf, params))
+
+    def rule(g, states, p):
+        (acc,) = states
+        sq = abs_sq(g).astype(acc.dtype)
+        if g.ndim >= 2:
+            sq = jnp.mean(sq, axis=tuple(range(1, g.ndim)))
+        new_acc = acc + sq
+        shape = new_acc.shape + (1,) * (g.ndim - new_acc.ndim)
+        # new_acc == 0 only where g == 0: divide by 1 there (no 0 / 0).
+        denom = jnp.where(new_acc > 0, jnp.sqrt(new_acc) + eps, 1.0)
+        return (g / denom.reshape(shape)).astype(g.dtype), (new_acc,)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        updates, (acc,) = rowwise_update(
+            "scale_by_rowwise_rss",
+            rule,
+            updates,
+            [("state.sum_of_squares", state.sum_of_squares)],
+            state_shape=_rowwise_state_shape,
+        )
+        return updates, ScaleByRowwiseRssState(sum_of_squares=acc)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -32,15 +32,19 @@ Conventions (see ``docs/optax.md``):
 
 from __future__ import annotations
 
+from ._alias import FtrlState as FtrlState
 from ._alias import adagrad as adagrad
+from ._alias import ftrl as ftrl
 from ._alias import lazy_adam as lazy_adam
 from ._alias import lazy_adamw as lazy_adamw
+from ._alias import rowwise_adagrad as rowwise_adagrad
 from ._alias import sgd as sgd
 from ._clipping import clip as clip
 from ._clipping import clip_by_global_norm as clip_by_global_norm
 from ._clipping import clip_by_row_norm as clip_by_row_norm
 from ._transform import AddDecayedWeightsState as AddDecayedWeightsState
 from ._transform import ScaleByLazyAdamState as ScaleByLazyAdamState
+from ._transform import ScaleByRowwiseRssState as ScaleByRowwiseRssState
 from ._transform import ScaleByRssState as ScaleByRssState
 from ._transform import ScaleByScheduleState as ScaleByScheduleState
 from ._transform import TraceState as TraceState
@@ -49,6 +53,7 @@ from ._transform import densify as densify
 from ._transform import scale as scale
 from ._transform import scale_by_lazy_adam as scale_by_lazy_adam
 from ._transform import scale_by_learning_rate as scale_by_learning_rate
+from ._transform import scale_by_rowwise_rss as scale_by_rowwise_rss
 from ._transform import scale_by_rss as scale_by_rss
 from ._transform import scale_by_schedule as scale_by_schedule
 from ._transform import trace as trace
@@ -74,4 +79,9 @@ __all__ = [
     "scale_by_schedule",
     "sgd",
     "trace",
+    "ftrl",
+    "rowwise_adagrad",
+    "scale_by_rowwise_rss",
+    "FtrlState",
+    "ScaleByRowwiseRssState",
 ]
