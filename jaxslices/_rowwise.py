@@ -214,13 +214,16 @@ def rowwise_update(
         st, p = xs[:n_states], (xs[n_states] if params is not None else None)
         if g is None:
             return Out(None, *st)
+        # NumPy arrays, Python scalars: what JAX accepts, made arrays once here.
+        g = g if isinstance(g, IndexedSlices) else jnp.asarray(g)
+        st = tuple(jnp.asarray(x) for x in st)
+        p = None if p is None else jnp.asarray(p)
         shape = None if state_shape is None else state_shape(tuple(g.shape))
         for x, x_name in zip(st, names, strict=True):
             check_leaf(name, path, g, x, x_name, shape)
         check_leaf(name, path, g, p, "params")
         if not isinstance(g, IndexedSlices):
-            p = None if p is None else jnp.asarray(p)
-            upd, new = rule(jnp.asarray(g), tuple(jnp.asarray(x) for x in st), p)
+            upd, new = rule(g, st, p)
             return Out(upd, *new)
         c = g if coalesced else coalesce_for_update(g)
         p_rows = None if p is None else rows(p, c)

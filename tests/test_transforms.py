@@ -918,7 +918,7 @@ def numpy_rows(g, num_rows):
 def numpy_rowwise_adagrad(params, grads, lr, init=0.0, eps=1e-8):
     """FBGEMM's EXACT_ROWWISE_ADAGRAD in float64 on the rows each step touches."""
     p = {k: np.array(v, np.float64) for k, v in params.items()}
-    acc = {k: np.full(v.shape[: min(v.ndim, 1) if v.ndim >= 2 else v.ndim], init)
+    acc = {k: np.full(v.shape[:1] if v.ndim >= 2 else v.shape, init)
            for k, v in p.items()}  # fmt: skip
     for g in grads:
         for k in p:
@@ -1081,3 +1081,43 @@ def test_ftrl_bad_arguments_and_missing_params():
     params = {"emb": jnp.zeros((V, D))}
     with pytest.raises(ValueError, match="ftrl needs the params"):
         tx.update({"emb": make_slices(np.random.default_rng(0))}, tx.init(params))
+
+
+# ------------------------------------- NumPy arrays and Python lists as input
+
+
+def _as_numpy_inputs(params, grads):
+    """Dense leaves as NumPy arrays, the bias as a Python list of floats."""
+    p = {k: np.asarray(v) for k, v in params.items()}
+    p["b"] = [float(x) for x in p["b"]]
+    gs = []
+    for g in grads:
+        g = {k: v if js.is_indexed_slices(v) else np.asarray(v) for k, v in g.items()}
+        g["b"] = [float(x) for x in g["b"]]
+        gs.append(g)
+    return p, gs
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+@pytest.mark.parametrize("name", list(ALL))
+def test_numpy_and_list_params_state_and_grads(name, use_jit):
+    rng = np.random.default_rng(40)
+    params = make_params(rng)
+    grads = make_grads(rng, steps=2)
+    tx = ALL[name]()
+    want, want_state = run(tx, params, grads, jit=use_jit)
+    np_params, np_grads = _as_numpy_inputs(params, grads)
+    state = jax.tree.map(np.asarray, tx.init(np_params))  # NumPy state too
+    update = jax.jit(tx.update) if use_jit else tx.update
+    p = np_params
+    for g in np_grads:
+        updates, state = update(g, state, p)
+        p = js.apply_updates(p, updates)
+    got = dict(p, b=jnp.stack(p["b"]))
+    assert_trees_close(got, want)
+
+    # The list parameter's state is a list of scalars: compare flattened.
+    def flat(t):
+        return np.concatenate([np.zeros(0)] + [np.ravel(x) for x in jax.tree.leaves(t)])
+
+    np.testing.assert_allclose(flat(state), flat(want_state), rtol=1e-5, atol=1e-6)
