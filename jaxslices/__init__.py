@@ -9,6 +9,7 @@ in place, so a step costs what the batch touches, not what the table holds.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from ._conditionality import apply_if_finite as apply_if_finite
 from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
 from .embedding import check_ids as check_ids
@@ -90,6 +91,7 @@ __all__ = [
     "scale_by_schedule",
     "sgd",
     "trace",
+    "apply_if_finite",
     "ftrl",
     "rowwise_adagrad",
     "scale_by_rowwise_rss",
