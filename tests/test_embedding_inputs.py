@@ -79,6 +79,20 @@ def test_numpy_params_and_list_ids_for_value_and_grad(use_jit):
     np.testing.assert_allclose(grads["w"], want["w"], rtol=1e-5)
 
 
+def test_python_list_table_in_params_is_a_tree_of_scalars_as_in_jax():
+    """A list table is a pytree of Python floats: dense, exactly as jax.grad."""
+    table = _table(7).tolist()
+
+    def loss(p, ids):
+        return jnp.sum(js.embedding_lookup(p["emb"], ids) ** 2)
+
+    for grad in (js.grad(loss), jax.jit(js.grad(loss))):
+        got = grad({"emb": table}, [1, 1, 5])
+        want = jax.grad(loss)({"emb": table}, [1, 1, 5])
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        np.testing.assert_allclose(jax.tree.leaves(got), jax.tree.leaves(want))
+
+
 @pytest.mark.parametrize("argnums", [np.int64(0), np.int32(-3), (np.int64(0), 1)])
 def test_numpy_integer_argnums(argnums):
     params = {"emb": jnp.asarray(_table(2)), "w": jnp.ones(D)}
