@@ -135,6 +135,23 @@ def test_one_array_bound_to_several_leaves(use_jit):
     assert not np.allclose(want["user"], want["item"])  # different gradients
 
 
+def test_one_array_as_differentiated_leaf_and_non_differentiated_argument():
+    z = jnp.asarray(_table(8))
+    ids = jnp.array([1, 1, 4])
+
+    def loss(p, frozen):
+        return jnp.sum(js.embedding_lookup(p, ids) ** 2) + jnp.sum(
+            js.embedding_lookup(frozen, ids[:2]) * 3.0
+        )
+
+    for grad in (js.grad(loss), jax.jit(js.grad(loss))):
+        got = grad(z, z)  # one object in both roles: dense, and right
+        np.testing.assert_allclose(_dense(got), jax.grad(loss)(z, z), rtol=1e-6)
+    got = js.grad(loss)(z, z + 0)  # distinct objects: sparse
+    assert isinstance(got, js.IndexedSlices)
+    np.testing.assert_allclose(_dense(got), jax.grad(loss)(z, z), rtol=1e-6)
+
+
 # --------------------------------------------------------- integer id dtypes
 
 SMALL = [np.int8, np.int16, np.int32, np.uint8, np.uint16, np.uint32]
