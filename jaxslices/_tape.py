@@ -173,8 +173,8 @@ _NONDETERMINISTIC = (
     "on different traces. The loss is traced several times (to discover lookups, "
     "then to differentiate); it must make the same lookups, in the same order and "
     "with the same id shapes, every time it is traced. (This also happens when one "
-    "array object is both a differentiated leaf and read through a closure or a "
-    "non-differentiated argument: pass it once.)"
+    "array object is both a differentiated leaf and looked up through a variable "
+    "the loss closes over: pass it as an argument instead.)"
 )
 
 
@@ -240,12 +240,21 @@ class Tapped:
     rows: list[Any]  # the forward gathers
 
 
-def discover(call: Call, leaves: Sequence[Any]) -> Plan:
-    """Trace the loss abstractly and record its top-level lookups."""
+def discover(call: Call, leaves: Sequence[Any], others: Sequence[Any] = ()) -> Plan:
+    """Trace the loss abstractly and record its top-level lookups.
+
+    ``others``: the leaves of the arguments that are not differentiated. A
+    differentiated leaf that is also one of them (the same object) stays dense:
+    the lookups recognise tables by identity, so its two roles could not be
+    told apart.
+    """
+    shared = {id(x) for x in others}
     candidates = [
         k
         for k, x in enumerate(leaves)
-        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+        if hasattr(x, "dtype")
+        and jnp.issubdtype(x.dtype, jnp.inexact)
+        and id(x) not in shared
     ]
     tape = Tape("discover", candidates=[])
 

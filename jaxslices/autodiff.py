@@ -143,7 +143,10 @@ def value_and_grad(
             single = nums[0] if _is_index(argnums) else nums
             return jax.value_and_grad(fun, single, has_aux)(*args, **kwargs)
 
-        plan = _tape.discover(call, leaves)
+        others = jax.tree.leaves(
+            ([a for i, a in enumerate(args) if i not in nums], kwargs)
+        )
+        plan = _tape.discover(call, leaves, others)
         plan = _tape.probe(call, leaves, plan, has_aux)
         if not plan.sparse:
             return dense_fallback()

@@ -25,8 +25,10 @@ def _case(k):
     return params, ids
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
-def test_concurrent_traces_each_get_their_own_sparse_gradients(use_jit):
+@pytest.mark.parametrize("mode", ["eager", "own_jit", "shared_jit"])
+def test_concurrent_traces_each_get_their_own_sparse_gradients(mode):
+    """``shared_jit``: one jitted function; the threads' shapes differ, so JAX
+    traces it once per thread, concurrently."""
     barrier = threading.Barrier(N_THREADS, timeout=30)
     results, errors = {}, {}
 
@@ -36,15 +38,21 @@ def test_concurrent_traces_each_get_their_own_sparse_gradients(use_jit):
             # goes on: the traces (and their tapes) overlap. A thread that
             # fell back to dense would trace fewer times and break the barrier.
             barrier.wait()
-            return _loss(k)(p, ids)
+            return _loss(k if mode != "shared_jit" else 0)(p, ids)
 
         return loss
+
+    shared = jax.jit(js.value_and_grad(make_loss(0)))
 
     def work(k):
         try:
             params, ids = _case(k)
-            vg = js.value_and_grad(make_loss(k))
-            results[k] = (jax.jit(vg) if use_jit else vg)(params, ids)
+            if mode == "shared_jit":
+                vg = shared
+            else:
+                vg = js.value_and_grad(make_loss(k))
+                vg = jax.jit(vg) if mode == "own_jit" else vg
+            results[k] = vg(params, ids)
         except Exception as e:  # reported below
             errors[k] = e
             barrier.abort()
@@ -57,7 +65,9 @@ def test_concurrent_traces_each_get_their_own_sparse_gradients(use_jit):
     assert not errors, errors
     for k in range(N_THREADS):
         params, ids = _case(k)
-        want_value, want = jax.value_and_grad(_loss(k))(params, ids)
+        want_value, want = jax.value_and_grad(_loss(k if mode != "shared_jit" else 0))(
+            params, ids
+        )
         value, grads = results[k]
         np.testing.assert_allclose(value, want_value, rtol=1e-5)
         assert isinstance(grads["emb"], js.IndexedSlices), k

@@ -79,6 +79,20 @@ def test_numpy_params_and_list_ids_for_value_and_grad(use_jit):
     np.testing.assert_allclose(grads["w"], want["w"], rtol=1e-5)
 
 
+def test_python_list_table_in_params_is_a_tree_of_scalars_as_in_jax():
+    """A list table is a pytree of Python floats: dense, exactly as jax.grad."""
+    table = _table(7).tolist()
+
+    def loss(p, ids):
+        return jnp.sum(js.embedding_lookup(p["emb"], ids) ** 2)
+
+    for grad in (js.grad(loss), jax.jit(js.grad(loss))):
+        got = grad({"emb": table}, [1, 1, 5])
+        want = jax.grad(loss)({"emb": table}, [1, 1, 5])
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        np.testing.assert_allclose(jax.tree.leaves(got), jax.tree.leaves(want))
+
+
 @pytest.mark.parametrize("argnums", [np.int64(0), np.int32(-3), (np.int64(0), 1)])
 def test_numpy_integer_argnums(argnums):
     params = {"emb": jnp.asarray(_table(2)), "w": jnp.ones(D)}
@@ -119,6 +133,23 @@ def test_one_array_bound_to_several_leaves(use_jit):
         np.testing.assert_allclose(_dense(got[name]), want[name], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["w"], want["w"])
     assert not np.allclose(want["user"], want["item"])  # different gradients
+
+
+def test_one_array_as_differentiated_leaf_and_non_differentiated_argument():
+    z = jnp.asarray(_table(8))
+    ids = jnp.array([1, 1, 4])
+
+    def loss(p, frozen):
+        return jnp.sum(js.embedding_lookup(p, ids) ** 2) + jnp.sum(
+            js.embedding_lookup(frozen, ids[:2]) * 3.0
+        )
+
+    for grad in (js.grad(loss), jax.jit(js.grad(loss))):
+        got = grad(z, z)  # one object in both roles: dense, and right
+        np.testing.assert_allclose(_dense(got), jax.grad(loss)(z, z), rtol=1e-6)
+    got = js.grad(loss)(z, z + 0)  # distinct objects: sparse
+    assert isinstance(got, js.IndexedSlices)
+    np.testing.assert_allclose(_dense(got), jax.grad(loss)(z, z), rtol=1e-6)
 
 
 # --------------------------------------------------------- integer id dtypes
