@@ -67,6 +67,12 @@ def sgd(
       :func:`optax.chain` state of ``(trace or identity, learning rate)``, like
       :func:`optax.sgd`.
 
+    References:
+      Robbins and Monro, 1951, `A Stochastic Approximation Method
+      <https://doi.org/10.1214/aoms/1177729586>`_; Polyak, 1964 (momentum);
+      :func:`optax.sgd`; lazy sparse momentum as in TensorFlow's
+      ``SparseApplyMomentum``.
+
     Example:
       >>> import jax.numpy as jnp, optax, jaxslices
       >>> params = {"emb": jnp.ones((4, 2)), "w": jnp.ones(2)}
@@ -118,6 +124,11 @@ def adagrad(
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
       :func:`optax.chain` state of ``(scale_by_rss, learning rate)``.
 
+    References:
+      Duchi et al., 2011, `Adaptive Subgradient Methods
+      <https://jmlr.org/papers/v12/duchi11a.html>`_; :func:`optax.adagrad`;
+      TensorFlow's ``SparseApplyAdagrad``.
+
     Example:
       >>> import jax.numpy as jnp, jaxslices
       >>> params = jnp.zeros((3, 2))
@@ -168,6 +179,10 @@ def lazy_adam(
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
       :func:`optax.chain` state of ``(scale_by_lazy_adam, learning rate)``.
+
+    References:
+      Kingma and Ba, 2014, `Adam <https://arxiv.org/abs/1412.6980>`_;
+      :func:`optax.adam`; TF Addons ``LazyAdam``; PyTorch ``SparseAdam``.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -230,6 +245,11 @@ def lazy_adamw(
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
       :func:`optax.chain` state of ``(scale_by_lazy_adam, add_decayed_weights,
       learning rate)``, like :func:`optax.adamw`.
+
+    References:
+      Loshchilov and Hutter, 2019, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_; :func:`optax.adamw`; TF Addons
+      ``LazyAdam``.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices

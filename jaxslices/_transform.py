@@ -194,6 +194,10 @@ def trace(
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
       :class:`TraceState`.
 
+    References:
+      Polyak, 1964 (momentum); Sutskever et al., 2013 (Nesterov);
+      :func:`optax.trace`.
+
     Example:
       >>> import jax.numpy as jnp, jaxslices
       >>> tx = jaxslices.trace(0.5)
@@ -266,6 +270,10 @@ def add_decayed_weights(
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`.
+
+    References:
+      Loshchilov and Hutter, 2019, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_; :func:`optax.add_decayed_weights`.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -354,6 +362,10 @@ def scale_by_rss(
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
       :class:`ScaleByRssState`.
+
+    References:
+      Duchi et al., 2011, `Adaptive Subgradient Methods
+      <https://jmlr.org/papers/v12/duchi11a.html>`_; :func:`optax.scale_by_rss`.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -554,6 +566,11 @@ def scale_by_lazy_adam(
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
       :class:`ScaleByLazyAdamState`.
+
+    References:
+      Kingma and Ba, 2014, `Adam <https://arxiv.org/abs/1412.6980>`_;
+      :func:`optax.scale_by_adam`; TF Addons ``LazyAdam``; PyTorch
+      ``SparseAdam``.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
