@@ -136,3 +136,69 @@ def fmt_ratio(a: float | None, b: float | None) -> str:
     if a is None or b is None or b == 0:
         return "-"
     return f"{a / b:.2f}x"
+
+
+# ------------------------------------------- hand-written O(N) hash dedup
+# The floor of step_bench.py and a method of coalesce_bench.py: independent of
+# jaxslices (jaxslices' own version is ``coalesce(s, method="hash")``).
+
+
+def hash_representatives(safe, valid, load: int = 4):
+    """A representative slot per distinct id (O(N) memory, a few rounds).
+
+    Each round, every unresolved slot writes its position into the cell
+    ``hash_r(id)`` of an ``M >= load * N`` buffer and reads the cell back; the
+    slots of the id that won the cell are resolved, the others retry with the
+    next round's hash. The buffer is never cleared: a cell is always written
+    in the round it is read. (XLA:CPU scatters run in order, so the winner is
+    deterministic there.)
+    """
+    import jax.numpy as jnp
+
+    n = safe.shape[0]
+    log_m = max(1, (load * n - 1).bit_length())
+    m = 1 << log_m
+    iota = jnp.arange(n, dtype=jnp.int32)
+    u = safe.astype(jnp.uint32)
+
+    def body(carry):
+        rep, buf, r = carry
+        todo = rep < 0
+        a = (jnp.uint32(0x9E3779B1) + r * jnp.uint32(0x6A09E668)) | jnp.uint32(1)
+        cell = ((u * a) >> (32 - log_m)).astype(jnp.int32)
+        cell = jnp.where(todo, cell, m)  # resolved slots write nothing
+        buf = buf.at[cell].set(iota, mode="drop")
+        winner = buf.at[cell].get(mode="fill", fill_value=0)
+        won = todo & (safe[winner] == safe)
+        return jnp.where(won, winner, rep), buf, r + jnp.uint32(1)
+
+    rep0 = jnp.where(valid, -1, iota)
+    buf0 = jnp.zeros((m,), jnp.int32)
+    rep, _, _ = jax.lax.while_loop(
+        lambda c: jnp.any(c[0] < 0), body, (rep0, buf0, jnp.uint32(0))
+    )
+    return rep
+
+
+def from_representatives(rep, safe, valid, rows, num_rows: int):
+    """Sum the rows of each id into compact slots: distinct ids, then padding."""
+    import jax.numpy as jnp
+
+    n = rep.shape[0]
+    is_rep = valid & (rep == jnp.arange(n, dtype=rep.dtype))
+    pos = jnp.cumsum(is_rep.astype(jnp.int32)) - 1
+    seg = jnp.where(valid, pos[rep], n)  # invalid slots: out of range, dropped
+    summed = jax.ops.segment_sum(rows, seg, n)
+    target = jnp.where(is_rep, pos, n)
+    idx = jnp.full((n,), num_rows, safe.dtype).at[target].set(safe, mode="drop")
+    return idx, summed
+
+
+def hash_dedup(ids, rows, num_rows: int, load: int = 4):
+    """(unique ids with padding ``num_rows``, summed rows), hand-written."""
+    import jax.numpy as jnp
+
+    valid = (ids >= 0) & (ids < num_rows)
+    safe = jnp.where(valid, ids, num_rows)
+    rep = hash_representatives(safe, valid, load)
+    return from_representatives(rep, safe, valid, rows, num_rows)

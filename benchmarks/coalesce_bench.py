@@ -5,8 +5,8 @@ thousands of times) with ``N x 64`` float32 rows, for ``V`` in {16384, 1048576}.
 Every method returns ``(indices, values)`` of static size ``N`` whose valid
 indices are unique and whose other slots are padding (index ``V``, values
 zero): what an optimizer needs before it reads and writes per-row state
-(``jaxslices.transforms._coalesce_for_update``'s contract). Only the sort-based
-methods also sort the ids; ``library`` is ``jaxslices.coalesce`` as shipped.
+(what ``jaxslices.coalesce`` promises). Only the sort-based methods also sort
+the ids; ``library*`` are ``jaxslices.coalesce`` with its public ``method``.
 
 Methods:
 
@@ -14,7 +14,10 @@ Methods:
   ``segment_sum``.
 * ``pair_sort``: stable ``lax.sort((ids, iota))`` + permute rows +
   ``segment_sum(indices_are_sorted=True)`` (jaxslices' first version).
-* ``library``: ``jaxslices.coalesce`` (on CPU: sort the ids alone +
+* ``library_pair_sort``, ``library_hash``: ``jaxslices.coalesce(s,
+  method="pair_sort" | "hash")`` (the hash with a scatter-min winner, so it is
+  order independent).
+* ``library``: ``jaxslices.coalesce`` (``method="sort"``; on CPU: sort the ids alone +
   ``searchsorted`` + unsorted ``segment_sum``).
 * ``packed_sort``: the permutation from single-operand sorts of packed
   ``uint32`` keys ``id << b | slot`` (two LSD passes when ``V * N > 2**32``).
@@ -44,7 +47,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import environment, fmt_ratio, interleave, progress, save_json, summary
+from _common import (
+    environment,
+    fmt_ratio,
+    from_representatives,
+    interleave,
+    progress,
+    save_json,
+    summary,
+)
+from _common import hash_dedup as _common_hash_dedup
 
 import jaxslices as js
 
@@ -72,27 +84,6 @@ def _from_sorted(
     summed = jax.ops.segment_sum(sorted_rows, seg, n, indices_are_sorted=True)
     idx = jnp.full((n,), num_rows, sorted_ids.dtype).at[seg].set(sorted_ids)
     return idx, jnp.where((idx < num_rows)[:, None], summed, 0)
-
-
-def _from_representatives(
-    rep: jax.Array, safe: jax.Array, valid: jax.Array, rows: jax.Array, num_rows: int
-) -> Coalesced:
-    """Sum the rows of each id, compacted: distinct ids first, padding at the end.
-
-    ``rep[i]`` is a slot holding the same id as slot ``i`` (the same one for
-    every slot of that id); invalid slots are their own representative. Ids
-    come out in the order of their representative slots (unsorted); a cumsum
-    numbers the representatives, so the rows are summed straight into their
-    compact positions (one scatter-add, no second pass over the rows).
-    """
-    n = rep.shape[0]
-    is_rep = valid & (rep == jnp.arange(n, dtype=rep.dtype))
-    pos = jnp.cumsum(is_rep.astype(jnp.int32)) - 1
-    seg = jnp.where(valid, pos[rep], n)  # invalid slots: out of range, dropped
-    summed = jax.ops.segment_sum(rows, seg, n)
-    target = jnp.where(is_rep, pos, n)
-    idx = jnp.full((n,), num_rows, safe.dtype).at[target].set(safe, mode="drop")
-    return idx, summed
 
 
 # ------------------------------------------------------------------ methods
@@ -157,62 +148,38 @@ def _workspace_reps(ws: jax.Array, safe: jax.Array, valid: jax.Array):
 def workspace(ws: jax.Array, ids: jax.Array, rows: jax.Array, num_rows: int):
     safe, valid = _safe(ids, num_rows)
     rep, ws = _workspace_reps(ws, safe, valid)
-    return _from_representatives(rep, safe, valid, rows, num_rows), ws
+    return from_representatives(rep, safe, valid, rows, num_rows), ws
 
 
 def workspace_reset(ws: jax.Array, ids: jax.Array, rows: jax.Array, num_rows: int):
     safe, valid = _safe(ids, num_rows)
     rep, ws = _workspace_reps(ws, safe, valid)
     ws = ws.at[safe].set(-1, mode="drop")
-    return _from_representatives(rep, safe, valid, rows, num_rows), ws
-
-
-def hash_representatives(safe: jax.Array, valid: jax.Array, load: int = 4) -> jax.Array:
-    """A representative slot per distinct id, with O(N) memory.
-
-    Each round, every unresolved slot writes its position into the cell
-    ``hash_r(id)`` of an ``M >= load * N`` buffer and reads the cell back; the
-    id of the slot it reads is its own for every slot of the id that won the
-    cell (all slots of one id read the same cell, so they agree). Losers retry
-    with the next round's hash. Every round resolves at least one id; with
-    ``load = 4`` almost all are resolved in the first round or two. The buffer is
-    never cleared: a cell is always written in the round it is read.
-    """
-    n = safe.shape[0]
-    log_m = max(1, (load * n - 1).bit_length())
-    m = 1 << log_m
-    iota = jnp.arange(n, dtype=jnp.int32)
-    u = safe.astype(jnp.uint32)
-
-    def body(carry):
-        rep, buf, r = carry
-        todo = rep < 0
-        a = (jnp.uint32(0x9E3779B1) + r * jnp.uint32(0x6A09E668)) | jnp.uint32(1)
-        cell = ((u * a) >> (32 - log_m)).astype(jnp.int32) if log_m < 32 else u
-        cell = jnp.where(todo, cell, m)  # resolved slots write nothing
-        buf = buf.at[cell].set(iota, mode="drop")
-        winner = buf.at[cell].get(mode="fill", fill_value=0)
-        won = todo & (safe[winner] == safe)
-        return jnp.where(won, winner, rep), buf, r + jnp.uint32(1)
-
-    rep0 = jnp.where(valid, -1, iota)
-    buf0 = jnp.zeros((m,), jnp.int32)
-    rep, _, _ = jax.lax.while_loop(
-        lambda c: jnp.any(c[0] < 0), body, (rep0, buf0, jnp.uint32(0))
-    )
-    return rep
+    return from_representatives(rep, safe, valid, rows, num_rows), ws
 
 
 def hash_dedup(ws: Any, ids: jax.Array, rows: jax.Array, num_rows: int, load: int = 4):
-    safe, valid = _safe(ids, num_rows)
-    rep = hash_representatives(safe, valid, load)
-    return _from_representatives(rep, safe, valid, rows, num_rows), ws
+    """Hand-written hash dedup (``_common.hash_dedup``; the step floor's)."""
+    return _common_hash_dedup(ids, rows, num_rows, load), ws
+
+
+def library_method(method: str) -> Method:
+    """``jaxslices.coalesce(s, method=method)``."""
+
+    def run(ws: Any, ids: jax.Array, rows: jax.Array, num_rows: int):
+        s = js.IndexedSlices(rows, ids, (num_rows, rows.shape[1]))
+        c = js.coalesce(s, method=method)
+        return (c.indices, c.values), ws
+
+    return run
 
 
 METHODS: dict[str, Method] = {
     "unique": unique,
     "pair_sort": pair_sort,
     "library": library,
+    "library_pair_sort": library_method("pair_sort"),
+    "library_hash": library_method("hash"),
     "packed_sort": packed_sort,
     "workspace": workspace,
     "workspace_reset": workspace_reset,
@@ -220,7 +187,7 @@ METHODS: dict[str, Method] = {
     "hash_load2": functools.partial(hash_dedup, load=2),
 }
 STATEFUL = {"workspace", "workspace_reset"}
-SGD_METHODS = ("library", "workspace", "hash")
+SGD_METHODS = ("library", "library_hash", "hash")
 
 
 def init_workspace(method: str, num_rows: int) -> jax.Array | None:

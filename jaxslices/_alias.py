@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from . import _transform
+from ._coalesce import check_method
 from ._rowwise import ScalarOrSchedule, rowwise_update, zeros_like
 from ._transform import (
+    add_decayed_weights,
     scale_by_lazy_adam,
     scale_by_learning_rate,
     scale_by_rowwise_rss,
@@ -40,6 +41,7 @@ def sgd(
     nesterov: bool = False,
     *,
     accumulator_dtype: Any = None,
+    coalesce_method: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Stochastic gradient descent, with optional lazy momentum.
 
@@ -57,10 +59,19 @@ def sgd(
       nesterov: use Nesterov momentum.
       accumulator_dtype: dtype of the momentum buffer; ``None``: the parameter's.
 
+      coalesce_method: how duplicate ids are summed, the ``method`` of
+        :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
+
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; its state is the
       :func:`optax.chain` state of ``(trace or identity, learning rate)``, like
       :func:`optax.sgd`.
+
+    References:
+      Robbins and Monro, 1951, `A Stochastic Approximation Method
+      <https://doi.org/10.1214/aoms/1177729586>`_; Polyak, 1964 (momentum);
+      :func:`optax.sgd`; lazy sparse momentum as in TensorFlow's
+      ``SparseApplyMomentum``.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxslices
@@ -73,10 +84,16 @@ def sgd(
       >>> [round(float(x), 4) for x in new["emb"][3]], new["emb"][0]
       ([0.94, 0.92], Array([1., 1.], dtype=float32))
     """
+    check_method(coalesce_method, "jaxslices.sgd")
     first = (
         optax.identity()
         if momentum is None
-        else trace(momentum, nesterov=nesterov, accumulator_dtype=accumulator_dtype)
+        else trace(
+            momentum,
+            nesterov=nesterov,
+            accumulator_dtype=accumulator_dtype,
+            coalesce_method=coalesce_method,
+        )
     )
     return optax.chain(first, scale_by_learning_rate(learning_rate))
 
@@ -85,6 +102,8 @@ def adagrad(
     learning_rate: ScalarOrSchedule,
     initial_accumulator_value: ArrayLike = 0.1,
     eps: ArrayLike = 1e-7,
+    *,
+    coalesce_method: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Adagrad that keeps sparse gradients sparse; equals :func:`optax.adagrad`.
 
@@ -98,9 +117,17 @@ def adagrad(
       initial_accumulator_value: starting value of the accumulator.
       eps: added under the square root.
 
+      coalesce_method: how duplicate ids are summed, the ``method`` of
+        :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
+
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
       :func:`optax.chain` state of ``(scale_by_rss, learning rate)``.
+
+    References:
+      Duchi et al., 2011, `Adaptive Subgradient Methods
+      <https://jmlr.org/papers/v12/duchi11a.html>`_; :func:`optax.adagrad`;
+      TensorFlow's ``SparseApplyAdagrad``.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -111,8 +138,9 @@ def adagrad(
       >>> jaxslices.apply_updates(params, u)[:, 0].round(4)
       Array([ 0.    , -0.9877,  0.    ], dtype=float32)
     """
+    check_method(coalesce_method, "jaxslices.adagrad")
     return optax.chain(
-        scale_by_rss(initial_accumulator_value, eps),
+        scale_by_rss(initial_accumulator_value, eps, coalesce_method=coalesce_method),
         scale_by_learning_rate(learning_rate),
     )
 
@@ -126,6 +154,7 @@ def lazy_adam(
     mu_dtype: Any = None,
     *,
     nesterov: bool = False,
+    coalesce_method: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Lazy Adam: :func:`optax.adam` on dense leaves, touched rows only on slices.
 
@@ -144,9 +173,16 @@ def lazy_adam(
       mu_dtype: dtype of the first moment; ``None``: the parameter's.
       nesterov: use Nesterov momentum (NAdam), as in Optax.
 
+      coalesce_method: how duplicate ids are summed, the ``method`` of
+        :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
+
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
       :func:`optax.chain` state of ``(scale_by_lazy_adam, learning rate)``.
+
+    References:
+      Kingma and Ba, 2014, `Adam <https://arxiv.org/abs/1412.6980>`_;
+      :func:`optax.adam`; TF Addons ``LazyAdam``; PyTorch ``SparseAdam``.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -157,8 +193,17 @@ def lazy_adam(
       >>> [round(float(x), 4) for x in jaxslices.apply_updates(params, u).ravel()]
       [0.0, 0.0, -0.1]
     """
+    check_method(coalesce_method, "jaxslices.lazy_adam")
     return optax.chain(
-        scale_by_lazy_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+        scale_by_lazy_adam(
+            b1,
+            b2,
+            eps,
+            eps_root,
+            mu_dtype,
+            nesterov=nesterov,
+            coalesce_method=coalesce_method,
+        ),
         scale_by_learning_rate(learning_rate),
     )
 
@@ -174,6 +219,7 @@ def lazy_adamw(
     mask: Any = None,
     *,
     nesterov: bool = False,
+    coalesce_method: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Lazy AdamW: :func:`optax.adamw` on dense leaves, touched rows only on slices.
 
@@ -192,10 +238,18 @@ def lazy_adamw(
       mask: which leaves decay, as in :func:`add_decayed_weights`.
       nesterov: use Nesterov momentum, as in Optax.
 
+      coalesce_method: how duplicate ids are summed, the ``method`` of
+        :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
+
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
       :func:`optax.chain` state of ``(scale_by_lazy_adam, add_decayed_weights,
       learning rate)``, like :func:`optax.adamw`.
+
+    References:
+      Loshchilov and Hutter, 2019, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_; :func:`optax.adamw`; TF Addons
+      ``LazyAdam``.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -206,10 +260,19 @@ def lazy_adamw(
       >>> [round(float(x), 4) for x in jaxslices.apply_updates(params, u)]
       [1.0, 1.0, 0.85]
     """
+    check_method(coalesce_method, "jaxslices.lazy_adamw")
     return optax.chain(
-        scale_by_lazy_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+        scale_by_lazy_adam(
+            b1,
+            b2,
+            eps,
+            eps_root,
+            mu_dtype,
+            nesterov=nesterov,
+            coalesce_method=coalesce_method,
+        ),
         # scale_by_lazy_adam's slices are coalesced already: no second sort.
-        _transform._add_decayed_weights(weight_decay, mask, coalesced=True),
+        add_decayed_weights(weight_decay, mask, coalesce_method=coalesce_method),
         scale_by_learning_rate(learning_rate),
     )
 
@@ -218,6 +281,8 @@ def rowwise_adagrad(
     learning_rate: ScalarOrSchedule,
     initial_accumulator_value: ArrayLike = 0.0,
     eps: ArrayLike = 1e-8,
+    *,
+    coalesce_method: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Row-wise Adagrad: one accumulator per table row (FBGEMM's exact rule).
 
@@ -238,6 +303,9 @@ def rowwise_adagrad(
       learning_rate: a scalar or an Optax schedule.
       initial_accumulator_value: starting value of every accumulator.
       eps: added to the square root in the denominator.
+
+      coalesce_method: how duplicate ids are summed, the ``method`` of
+        :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
@@ -260,8 +328,11 @@ def rowwise_adagrad(
       >>> jaxslices.apply_updates(params, u)[1]
       Array([-1., -1.], dtype=float32)
     """
+    check_method(coalesce_method, "jaxslices.rowwise_adagrad")
     return optax.chain(
-        scale_by_rowwise_rss(initial_accumulator_value, eps),
+        scale_by_rowwise_rss(
+            initial_accumulator_value, eps, coalesce_method=coalesce_method
+        ),
         scale_by_learning_rate(learning_rate),
     )
 
@@ -288,6 +359,8 @@ def ftrl(
     l2: ArrayLike = 0.0,
     l2_shrinkage: ArrayLike = 0.0,
     beta: ArrayLike = 0.0,
+    *,
+    coalesce_method: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     r"""FTRL-proximal (Keras 3 ``Ftrl``), touched rows only for sparse leaves.
 
@@ -329,6 +402,9 @@ def ftrl(
         loss gradient.
       beta: the paper's ``beta``, added to ``l2`` as ``beta / (2 * lr)``.
 
+      coalesce_method: how duplicate ids are summed, the ``method`` of
+        :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
+
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
       :class:`FtrlState`.
@@ -348,6 +424,7 @@ def ftrl(
       >>> jaxslices.apply_updates(params, u).round(4)  # rows 0 and 2 untouched
       Array([0.5   , 0.2529, 0.5   ], dtype=float32)
     """
+    check_method(coalesce_method, "jaxslices.ftrl")
     _check_nonnegative(
         initial_accumulator_value=initial_accumulator_value,
         l1=l1,
@@ -403,6 +480,7 @@ def ftrl(
             updates,
             [("state.accumulator", state.accumulator), ("state.linear", state.linear)],
             params,
+            method=coalesce_method,
         )
         count = optax.safe_increment(state.count)
         return updates, FtrlState(count=count, accumulator=n, linear=z)

@@ -33,16 +33,19 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from . import slices
+from . import _coalesce, slices
 from .slices import IndexedSlices, _replace_values, check_slices
 
 ScalarOrSchedule = ArrayLike | Callable[[ArrayLike], ArrayLike]
 Rule = Callable[[jax.Array, tuple[jax.Array, ...], Any], tuple[Any, tuple[Any, ...]]]
 
 
-def coalesce_for_update(s: IndexedSlices) -> IndexedSlices:
-    """Where every transform coalesces: unique valid indices, padding elsewhere."""
-    return slices.coalesce(s)
+def coalesce_for_update(s: IndexedSlices, method: str = "auto") -> IndexedSlices:
+    """Where every transform coalesces: unique valid indices, padding elsewhere.
+
+    Free for slices that are coalesced already (``s.unique_indices``).
+    """
+    return _coalesce.coalesce(s, method)
 
 
 def is_leaf(x: Any) -> bool:
@@ -161,8 +164,17 @@ def zeros_like(tree: Any, dtype: Any = None) -> Any:
     return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=dtype), tree)
 
 
+def coalesce_all(updates: Any, method: str = "auto") -> Any:
+    """Every slices leaf of ``updates`` coalesced (free where it is already)."""
+
+    def leaf(x):
+        return coalesce_for_update(x, method) if isinstance(x, IndexedSlices) else x
+
+    return jax.tree.map(leaf, updates, is_leaf=is_leaf)
+
+
 def global_norm(updates: Any) -> jax.Array:
-    """:func:`jaxslices.global_norm`, coalescing through ``coalesce_for_update``.
+    """:func:`jaxslices.global_norm` of an updates tree whose slices are coalesced.
 
     The sum of squares of a coalesced slices' values is the exact squared norm
     of its dense equivalent, so this returns the same numbers.
@@ -170,10 +182,10 @@ def global_norm(updates: Any) -> jax.Array:
 
     def sum_sq(x):
         if isinstance(x, IndexedSlices):
-            x = coalesce_for_update(x).values
+            x = coalesce_for_update(x).values  # free: coalesced by the caller
         return slices.sum_of_squares(x)
 
-    leaves = jax.tree.leaves(updates, is_leaf=slices.is_indexed_slices)
+    leaves = [x for x in jax.tree.leaves(updates, is_leaf=is_leaf) if x is not None]
     if not leaves:
         return jnp.zeros((), jnp.float32)
     return jnp.sqrt(sum(sum_sq(x) for x in leaves))
@@ -187,7 +199,7 @@ def rowwise_update(
     params: Any = None,
     *,
     state_shape: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None,
-    coalesced: bool = False,
+    method: str = "auto",
 ) -> tuple[Any, tuple[Any, ...]]:
     """Apply ``rule`` to every leaf of ``updates``: dense whole, sparse by rows.
 
@@ -201,7 +213,8 @@ def rowwise_update(
         (the rule then gets ``p=None``).
       state_shape: ``dense_shape -> shape`` of each state leaf; default: the
         same shape as the parameter.
-      coalesced: the caller guarantees slices arrive coalesced.
+      method: the coalescing method (:func:`jaxslices.coalesce`); slices that
+        arrive coalesced (``unique_indices``) are not coalesced again.
 
     Returns:
       ``(new_updates, new_state_trees)``; a ``None`` update keeps its state.
@@ -225,7 +238,7 @@ def rowwise_update(
         if not isinstance(g, IndexedSlices):
             upd, new = rule(g, st, p)
             return Out(upd, *new)
-        c = g if coalesced else coalesce_for_update(g)
+        c = coalesce_for_update(g, method)
         p_rows = None if p is None else rows(p, c)
         upd, new = rule(c.values, tuple(rows(x, c) for x in st), p_rows)
         new_st = tuple(set_rows(x, c, r) for x, r in zip(st, new, strict=True))

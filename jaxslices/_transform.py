@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
+from ._coalesce import check_method
 from ._rowwise import (
     ScalarOrSchedule,
     abs_sq,
@@ -171,6 +172,7 @@ def trace(
     *,
     nesterov: bool = False,
     accumulator_dtype: Any = None,
+    coalesce_method: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Momentum ``t <- g + decay * t``, lazy for sparse leaves.
 
@@ -185,9 +187,16 @@ def trace(
       nesterov: use Nesterov momentum (``g + decay * t`` as the update).
       accumulator_dtype: dtype of the trace; ``None`` uses the parameter's.
 
+      coalesce_method: how duplicate ids are summed, the ``method`` of
+        :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
+
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
       :class:`TraceState`.
+
+    References:
+      Polyak, 1964 (momentum); Sutskever et al., 2013 (Nesterov);
+      :func:`optax.trace`.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -199,6 +208,7 @@ def trace(
       >>> state.trace.ravel()
       Array([0., 3., 0.], dtype=float32)
     """
+    check_method(coalesce_method, "jaxslices.trace")
     dtype = None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
 
     def init_fn(params):
@@ -213,7 +223,11 @@ def trace(
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         updates, (new_trace,) = rowwise_update(
-            "trace", rule, updates, [("state.trace", state.trace)]
+            "trace",
+            rule,
+            updates,
+            [("state.trace", state.trace)],
+            method=coalesce_method,
         )
         return updates, TraceState(trace=new_trace)
 
@@ -232,6 +246,8 @@ class AddDecayedWeightsState(NamedTuple):
 def add_decayed_weights(
     weight_decay: ScalarOrSchedule = 0.0,
     mask: Any = None,
+    *,
+    coalesce_method: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Add ``weight_decay * params`` to the updates; touched rows only for slices.
 
@@ -249,8 +265,15 @@ def add_decayed_weights(
         callable is always given the *params* (dense arrays), never the
         updates, so it does not need to know about ``IndexedSlices``.
 
+      coalesce_method: how duplicate ids are summed, the ``method`` of
+        :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
+
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`.
+
+    References:
+      Loshchilov and Hutter, 2019, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_; :func:`optax.add_decayed_weights`.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -261,13 +284,7 @@ def add_decayed_weights(
       >>> u.to_dense()
       Array([0. , 0. , 0.3], dtype=float32)
     """
-    return _add_decayed_weights(weight_decay, mask, coalesced=False)
-
-
-def _add_decayed_weights(
-    weight_decay: ScalarOrSchedule, mask: Any, *, coalesced: bool
-) -> optax.GradientTransformationExtraArgs:
-    """``coalesced=True``: the caller guarantees slices arrive coalesced."""
+    check_method(coalesce_method, "jaxslices.add_decayed_weights")
     name = "add_decayed_weights"
     scheduled = callable(weight_decay)
 
@@ -295,7 +312,7 @@ def _add_decayed_weights(
             return g + wd * p, ()
 
         def decay(u, p):
-            return rowwise_update(name, rule, u, params=p, coalesced=coalesced)[0]
+            return rowwise_update(name, rule, u, params=p, method=coalesce_method)[0]
 
         if mask is None:
             return decay(updates, params), new_state
@@ -322,7 +339,10 @@ class ScaleByRssState(NamedTuple):
 
 
 def scale_by_rss(
-    initial_accumulator_value: ArrayLike = 0.1, eps: ArrayLike = 1e-7
+    initial_accumulator_value: ArrayLike = 0.1,
+    eps: ArrayLike = 1e-7,
+    *,
+    coalesce_method: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Adagrad's scaling, ``g / sqrt(sum of g**2 + eps)``, touched rows only.
 
@@ -336,9 +356,16 @@ def scale_by_rss(
       initial_accumulator_value: starting value of the accumulator.
       eps: added under the square root.
 
+      coalesce_method: how duplicate ids are summed, the ``method`` of
+        :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
+
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
       :class:`ScaleByRssState`.
+
+    References:
+      Duchi et al., 2011, `Adaptive Subgradient Methods
+      <https://jmlr.org/papers/v12/duchi11a.html>`_; :func:`optax.scale_by_rss`.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -348,6 +375,7 @@ def scale_by_rss(
       >>> u.values, state.sum_of_squares
       (Array([1., 0.], dtype=float32), Array([4., 0.], dtype=float32))
     """
+    check_method(coalesce_method, "jaxslices.scale_by_rss")
 
     def init_fn(params):
         return ScaleByRssState(
@@ -367,6 +395,7 @@ def scale_by_rss(
             rule,
             updates,
             [("state", state.sum_of_squares)],
+            method=coalesce_method,
         )
         return updates, ScaleByRssState(sum_of_squares=acc)
 
@@ -393,7 +422,10 @@ def _rowwise_state_dtype(dtype: Any) -> Any:
 
 
 def scale_by_rowwise_rss(
-    initial_accumulator_value: ArrayLike = 0.0, eps: ArrayLike = 1e-8
+    initial_accumulator_value: ArrayLike = 0.0,
+    eps: ArrayLike = 1e-8,
+    *,
+    coalesce_method: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Row-wise Adagrad's scaling: one accumulator per row, ``g / (sqrt(acc) + eps)``.
 
@@ -410,6 +442,9 @@ def scale_by_rowwise_rss(
     Args:
       initial_accumulator_value: starting value of every accumulator.
       eps: added to the square root in the denominator.
+
+      coalesce_method: how duplicate ids are summed, the ``method`` of
+        :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -431,6 +466,7 @@ def scale_by_rowwise_rss(
       >>> u.values  # g / sqrt(25)
       Array([[0.2, 1.4]], dtype=float32)
     """
+    check_method(coalesce_method, "jaxslices.scale_by_rowwise_rss")
 
     def init_leaf(p):
         if not (hasattr(p, "shape") and hasattr(p, "dtype")):
@@ -463,6 +499,7 @@ def scale_by_rowwise_rss(
             updates,
             [("state.sum_of_squares", state.sum_of_squares)],
             state_shape=_rowwise_state_shape,
+            method=coalesce_method,
         )
         return updates, ScaleByRowwiseRssState(sum_of_squares=acc)
 
@@ -498,6 +535,7 @@ def scale_by_lazy_adam(
     mu_dtype: Any = None,
     *,
     nesterov: bool = False,
+    coalesce_method: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Adam's scaling (:func:`optax.scale_by_adam`), lazy for sparse leaves.
 
@@ -522,9 +560,17 @@ def scale_by_lazy_adam(
       mu_dtype: dtype of the first moment; ``None``: the parameter's.
       nesterov: use Nesterov momentum (NAdam), as in Optax.
 
+      coalesce_method: how duplicate ids are summed, the ``method`` of
+        :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
+
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
       :class:`ScaleByLazyAdamState`.
+
+    References:
+      Kingma and Ba, 2014, `Adam <https://arxiv.org/abs/1412.6980>`_;
+      :func:`optax.scale_by_adam`; TF Addons ``LazyAdam``; PyTorch
+      ``SparseAdam``.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -534,6 +580,7 @@ def scale_by_lazy_adam(
       >>> u.to_dense().round(4), state.mu
       (Array([0., 1., 0.], dtype=float32), Array([0. , 0.2, 0. ], dtype=float32))
     """
+    check_method(coalesce_method, "jaxslices.scale_by_lazy_adam")
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
     def init_fn(params):
@@ -568,6 +615,7 @@ def scale_by_lazy_adam(
             rule,
             updates,
             [("state.mu", state.mu), ("state.nu", state.nu)],
+            method=coalesce_method,
         )
         return updates, ScaleByLazyAdamState(count=count, mu=mu, nu=nu)
 

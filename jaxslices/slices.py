@@ -164,7 +164,7 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
              [0., 0.]], dtype=float32)
     """
 
-    __slots__ = ("values", "_indices", "dense_shape")
+    __slots__ = ("values", "_indices", "dense_shape", "_unique", "_sorted")
     __hash__ = None  # type: ignore[assignment]
     # Make NumPy defer to our reflected operators (np.ndarray + IndexedSlices).
     __array_ufunc__ = None
@@ -211,6 +211,7 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
         self.values = values
         self._indices = indices
         self.dense_shape = dense_shape
+        self._unique = self._sorted = False
 
     # -- pytree ---------------------------------------------------------------
     def tree_flatten_with_keys(self):
@@ -239,6 +240,23 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
         unwraps it, which compiles to nothing under ``jit``.
         """
         return _typed_indices.unwrap(self._indices)
+
+    @property
+    def unique_indices(self) -> bool:
+        """``True`` when the valid indices are known to be distinct (static).
+
+        Set by :func:`coalesce` and kept by value-only operations (scaling,
+        ``astype``, the jaxslices transforms), so coalescing again is free; like
+        ``BCOO.unique_indices``. Not part of the pytree: flattening (``jit``
+        boundaries, ``lax.cond``) drops it, which only costs a re-coalesce, and
+        two slices differing only in it have the same tree structure.
+        """
+        return self._unique
+
+    @property
+    def indices_sorted(self) -> bool:
+        """``True`` when the indices are known to be sorted (static; see above)."""
+        return self._sorted
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -294,9 +312,9 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
         """Cast ``values`` to ``dtype`` (indices unchanged)."""
         return _replace_values(self, self.values.astype(dtype))
 
-    def coalesce(self) -> IndexedSlices:
+    def coalesce(self, *, method: str = "sort") -> IndexedSlices:
         """See :func:`jaxslices.coalesce`."""
-        return coalesce(self)
+        return coalesce(self, method=method)
 
     # -- arithmetic -----------------------------------------------------------
     def _scale(self, c: Any, op, opname: str) -> IndexedSlices:
@@ -369,12 +387,26 @@ def _build(values: Any, typed_indices: Any, dense_shape: tuple[int, ...]):
     """
     out = object.__new__(IndexedSlices)
     out.values, out._indices, out.dense_shape = values, typed_indices, dense_shape
+    out._unique = out._sorted = False
     return out
 
 
 def _replace_values(s: IndexedSlices, values: jax.Array) -> IndexedSlices:
-    """``s`` with new ``values`` (same indices, same dense shape)."""
-    return _build(values, s._indices, s.dense_shape)
+    """``s`` with new ``values`` (same indices, dense shape and index flags)."""
+    return _with_flags(
+        _build(values, s._indices, s.dense_shape),
+        unique_indices=s._unique,
+        indices_sorted=s._sorted,
+    )
+
+
+def _with_flags(
+    s: IndexedSlices, *, unique_indices: bool, indices_sorted: bool
+) -> IndexedSlices:
+    """``s`` recorded as coalesced (see ``IndexedSlices.unique_indices``)."""
+    out = _build(s.values, s._indices, s.dense_shape)
+    out._unique, out._sorted = bool(unique_indices), bool(indices_sorted)
+    return out
 
 
 def _dense_operand(x: Any, s: IndexedSlices, opname: str) -> jax.Array:
@@ -507,14 +539,30 @@ def _sort_by_index(s: IndexedSlices) -> tuple[jax.Array, jax.Array]:
     return sorted_idx, perm
 
 
-def coalesce(s: IndexedSlices) -> IndexedSlices:
-    """Sum duplicate indices: sorted unique indices, same static size ``N``.
+def coalesce(s: IndexedSlices, *, method: str = "sort") -> IndexedSlices:
+    """Sum duplicate indices: unique indices, same static size ``N``.
 
     The result has the same dense equivalent. Its first ``u`` slots hold the
-    ``u`` distinct valid indices in increasing order with their summed rows;
-    the remaining ``N - u`` slots are padding (index ``dense_shape[0]``, values
-    zero). Invalid indices are dropped (become padding). Deterministic: the
-    same input gives the same bits on every run, on every backend.
+    ``u`` distinct valid indices with their summed rows (summed in at least
+    float32); the remaining ``N - u`` slots are padding (index
+    ``dense_shape[0]``, values zero). Invalid indices are dropped (become
+    padding). Deterministic: the same input gives the same bits on every run,
+    on every backend. The result records that it is coalesced
+    (:attr:`IndexedSlices.unique_indices`), so coalescing it again returns it
+    as is.
+
+    Args:
+      s: the slices.
+      method: how to find duplicates (``jaxslices._coalesce`` explains each and
+        ``benchmarks/RESULTS.md`` measures them):
+
+        * ``"sort"`` (default): indices in increasing order (GPU: pair sort and
+          a fixed-tree scan; CPU/TPU: sort of the ids and ``searchsorted``).
+        * ``"pair_sort"``: sorted, the GPU algorithm on every backend.
+        * ``"hash"``: O(N) hash deduplication, indices in order of first
+          appearance (on GPU: ``"sort"``); about 2x faster on CPU.
+        * ``"auto"``: the fastest measured per backend, sorted or not
+          (``"hash"`` on CPU, ``"sort"`` elsewhere); what the transforms use.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -523,97 +571,17 @@ def coalesce(s: IndexedSlices) -> IndexedSlices:
       >>> c = jaxslices.coalesce(s)
       >>> c.indices, c.values
       (Array([1, 4, 5], dtype=int32), Array([2., 4., 0.], dtype=float32))
+      >>> h = jaxslices.coalesce(s, method="hash")  # first appearance: 4, then 1
+      >>> h.indices, h.values, h.unique_indices, h.indices_sorted
+      (Array([4, 1, 5], dtype=int32), Array([4., 2., 0.], dtype=float32), True, False)
     """
-    check_slices(s, "coalesce")
-    n = s.num_slices
-    v = s.dense_shape[0]
-    if n == 0:
-        return s
-    idx = safe_indices(s)
-    acc = jnp.promote_types(s.dtype, jnp.float32)  # bf16 duplicates sum in f32
-    values, unique_idx = jax.lax.platform_dependent(
-        s.values.astype(acc),
-        idx,
-        cuda=_coalesce_by_pair_sort,
-        rocm=_coalesce_by_pair_sort,
-        default=_coalesce_by_id_sort,
-    )
-    values = values.astype(s.dtype)
-    # Padding and invalid slots sort last (safe index V) and form one segment;
-    # slots past the last segment are padding too.
-    unique_idx = jnp.minimum(unique_idx, v).astype(s.indices.dtype)
-    # The padding segment (if any) holds the sum of padding rows: zero it.
-    values = jnp.where(
-        _expand(unique_idx == v, values.ndim), jnp.zeros((), values.dtype), values
-    )
-    return IndexedSlices(values, unique_idx, s.dense_shape)
+    from . import _coalesce  # the implementations (imports this module)
+
+    return _coalesce.coalesce(s, method)
 
 
 def _expand(mask: jax.Array, ndim: int) -> jax.Array:
     return mask.reshape(mask.shape + (1,) * (ndim - 1))
-
-
-def _coalesce_by_id_sort(values: jax.Array, idx: jax.Array):
-    """CPU/TPU: sort the ids alone, rank each slot's id, segment-sum unsorted.
-
-    XLA's CPU sort of (id, position) pairs plus permuting the rows costs ~5x
-    more than sorting the ids and binary-searching each id's first position.
-    ``segment_sum`` is deterministic here (scatters run in order).
-    """
-    n = idx.shape[0]
-    sorted_idx = jnp.sort(idx)
-    is_new = jnp.concatenate([jnp.ones((1,), bool), sorted_idx[1:] != sorted_idx[:-1]])
-    segment_of_sorted = jnp.cumsum(is_new.astype(jnp.int32)) - 1
-    first = jnp.searchsorted(sorted_idx, idx, side="left", method="scan")
-    summed = _segment_sum_by_scatter(values, segment_of_sorted[first], n)
-    return summed, _unique_ids(sorted_idx, segment_of_sorted, n)
-
-
-def _coalesce_by_pair_sort(values: jax.Array, idx: jax.Array):
-    """GPU: stable sort of (id, position), then a fixed-tree segmented scan.
-
-    XLA's GPU scatter-add uses atomics whose order changes from run to run;
-    the scan gives the same bits every time.
-    """
-    n = idx.shape[0]
-    iota = jnp.arange(n, dtype=jnp.int32)
-    sorted_idx, perm = jax.lax.sort((idx, iota), num_keys=1, is_stable=True)
-    is_new = jnp.concatenate([jnp.ones((1,), bool), sorted_idx[1:] != sorted_idx[:-1]])
-    segment = jnp.cumsum(is_new.astype(jnp.int32)) - 1
-    summed = _segment_sum_by_scan(values[perm], segment, n)
-    return summed, _unique_ids(sorted_idx, segment, n)
-
-
-def _unique_ids(sorted_idx: jax.Array, segment: jax.Array, n: int) -> jax.Array:
-    pad = jnp.iinfo(sorted_idx.dtype).max  # unused slots; the caller clamps to V
-    out = jnp.full((n,), pad, sorted_idx.dtype)
-    return out.at[segment].set(sorted_idx, mode="drop")
-
-
-def _segment_sum_by_scatter(values: jax.Array, segment: jax.Array, n: int):
-    return jax.ops.segment_sum(values, segment, num_segments=n)
-
-
-def _segment_sum_by_scan(values: jax.Array, segment: jax.Array, n: int):
-    """Segmented sum with a fixed summation tree: same bits on every run.
-
-    A segmented inclusive ``associative_scan`` restarts at each new segment; the
-    last element of each segment then holds its total, which is written to the
-    segment's own slot (no two writes collide).
-    """
-    starts = jnp.concatenate([jnp.ones((1,), bool), segment[1:] != segment[:-1]])
-    ends = jnp.concatenate([segment[1:] != segment[:-1], jnp.ones((1,), bool)])
-
-    def combine(a, b):
-        (start_a, sum_a), (start_b, sum_b) = a, b
-        return start_a | start_b, jnp.where(
-            _expand(start_b, sum_b.ndim), sum_b, sum_a + sum_b
-        )
-
-    _, running = jax.lax.associative_scan(combine, (starts, values))
-    target = jnp.where(ends, segment, n)
-    out = jnp.zeros((n, *values.shape[1:]), values.dtype)
-    return out.at[target].set(running, mode="drop", unique_indices=True)
 
 
 def sparse_mask(s: IndexedSlices, mask_indices: Any) -> IndexedSlices:

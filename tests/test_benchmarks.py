@@ -1,6 +1,8 @@
 """Smoke tests: the benchmarks run end to end with tiny sizes, so they never rot."""
 
+import ast
 import importlib
+import inspect
 import json
 import math
 import sys
@@ -24,7 +26,9 @@ def bench(monkeypatch):
     return load
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "clip_sgd", "adagrad", "adam"])
+@pytest.mark.parametrize(
+    "optimizer", ["sgd", "clip_sgd", "adagrad", "adam", "rowwise_adagrad", "ftrl"]
+)
 def test_step_bench_smoke(bench, tmp_path, optimizer):
     step_bench = bench("step_bench")
     report = step_bench.main(
@@ -37,14 +41,18 @@ def test_step_bench_smoke(bench, tmp_path, optimizer):
         optimizers=(optimizer,),
         out=str(tmp_path),
     )
-    assert [r["path"] for r in report["rows"]] == list(step_bench.PATHS)
+    want = [p for p in step_bench.PATHS if step_bench.runs(p, optimizer)]
+    assert [r["path"] for r in report["rows"]] == want
     for row in report["rows"]:
         assert row["median_ms"] > 0 and row["steps_timed"] == 2
         assert math.isfinite(row["final_loss"])
         assert row["temp_bytes"] >= 0 and row["peak_rss_mb"] > 0
+        assert row["state_bytes"] >= 0
     saved = json.loads((tmp_path / f"step_bench_{report['backend']}.json").read_text())
     assert saved["table"] == report["table"]
-    assert "jaxslices / floor" in report["table"]
+    has_floor = optimizer not in step_bench.NO_FLOOR
+    assert ("jaxslices / floor" in report["table"]) == has_floor
+    assert "js_sort / jaxslices" in report["table"]
     assert (tmp_path / f"step_bench_{report['backend']}.png").stat().st_size > 1000
     if optimizer == "sgd":
         assert "V=256 SGD: jaxslices / floor <= 1.25" in [
@@ -74,14 +82,30 @@ def test_step_bench_flags_temp_growth(bench):
     assert step_bench.temp_growth(rows) == ["dense/adam"]
 
 
-def test_step_bench_hash_prototype_restores_library(bench):
-    step_bench = bench("step_bench")
-    from jaxslices import transforms
+def test_benchmarks_do_not_import_each_other():
+    """Shared code lives in _common.py; no script imports another script."""
+    scripts = {p.stem for p in BENCH.glob("*.py") if not p.stem.startswith("_")}
+    for path in BENCH.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = {
+            alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        } | {
+            node.module.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+        }
+        assert not imported & (scripts - {path.stem}), path.name
 
-    original = transforms._coalesce_for_update
-    with step_bench.hash_coalescing():
-        assert transforms._coalesce_for_update is not original
-    assert transforms._coalesce_for_update is original
+
+def test_step_bench_selects_coalescing_through_the_public_argument(bench):
+    step_bench = bench("step_bench")
+    text = inspect.getsource(step_bench) + inspect.getsource(bench("coalesce_bench"))
+    assert "_coalesce_for_update" not in text and "jaxslices._" not in text
+    opt = step_bench._sparse_opt("clip_sgd", method="sort")
+    assert opt is not None
 
 
 def test_coalesce_bench_smoke(bench, tmp_path):
@@ -99,7 +123,7 @@ def test_coalesce_bench_smoke(bench, tmp_path):
     (row,) = report["results"]
     timed = set(row["timings"])
     assert set(coalesce_bench.METHODS) <= timed
-    assert {"sgd:raw", "sgd:hash"} <= timed
+    assert {"sgd:raw", "sgd:hash", "sgd:library_hash"} <= timed
     assert (tmp_path / f"coalesce_bench_{report['backend']}.json").exists()
 
 

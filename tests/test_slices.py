@@ -589,36 +589,3 @@ def test_coalesce_is_bitwise_deterministic_under_heavy_duplicates():
         np.testing.assert_array_equal(np.asarray(f(s).values), first)
     norms = {float(jax.jit(js.global_norm)(s)) for _ in range(5)}
     assert len(norms) == 1
-
-
-@pytest.mark.parametrize("row_shape", [(), (3,), (2, 2)])
-def test_both_segment_sum_strategies_agree(row_shape):
-    """The GPU strategy (fixed-tree scan) is tested on CPU too."""
-    from jaxslices.slices import _segment_sum_by_scan, _segment_sum_by_scatter
-
-    rng = np.random.default_rng(15)
-    ids = np.sort(rng.integers(0, 40, size=300))
-    segment = jnp.asarray(np.cumsum(np.r_[1, np.diff(ids) != 0]) - 1, jnp.int32)
-    vals = jnp.asarray(rng.normal(size=(300, *row_shape)), jnp.float32)
-    ref = np.zeros((300, *row_shape))
-    np.add.at(ref, np.asarray(segment), np.asarray(vals, np.float64))
-    by_scan = jax.jit(_segment_sum_by_scan, static_argnums=2)(vals, segment, 300)
-    by_scatter = jax.jit(_segment_sum_by_scatter, static_argnums=2)(vals, segment, 300)
-    np.testing.assert_allclose(by_scan, ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(by_scatter, ref, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("row_shape", [(), (3,)])
-def test_cpu_and_gpu_coalesce_strategies_agree(row_shape):
-    """CI has no GPU: run the GPU strategy on CPU against the CPU one."""
-    from jaxslices.slices import _coalesce_by_id_sort, _coalesce_by_pair_sort
-
-    rng = np.random.default_rng(16)
-    idx = jnp.asarray(np.r_[rng.zipf(1.3, size=200) % 30, [30, 30]], jnp.int32)
-    vals = jnp.asarray(rng.normal(size=(202, *row_shape)), jnp.float32)
-    a_vals, a_idx = jax.jit(_coalesce_by_id_sort)(vals, idx)
-    b_vals, b_idx = jax.jit(_coalesce_by_pair_sort)(vals, idx)
-    np.testing.assert_array_equal(a_idx, b_idx)
-    np.testing.assert_allclose(a_vals, b_vals, rtol=1e-5, atol=1e-5)
-    u = len(np.unique(np.asarray(idx)))
-    np.testing.assert_array_equal(a_idx[:u], np.unique(np.asarray(idx)))
