@@ -40,24 +40,10 @@ from flax import nnx
 from flax.nnx import filterlib, graphlib
 
 from . import autodiff
+from ._layers import integer_ids, wrap_negative
 from .embedding import embedding_lookup
 
 __all__ = ["Embed", "value_and_grad", "grad"]
-
-
-def _wrap_negative(ids: jax.Array, num_rows: int) -> jax.Array:
-    """Negative ids count from the end, as in the stock layers (``jnp.take``)."""
-    return jnp.where(ids < 0, ids + num_rows, ids)
-
-
-def check_integer_ids(inputs: Any, where: str) -> jax.Array:
-    inputs = jnp.asarray(inputs)
-    if not jnp.issubdtype(inputs.dtype, jnp.integer):
-        raise ValueError(
-            f"{where}: input ids must be integers, got {inputs.dtype.name}"
-            f"{list(inputs.shape)}. Cast them, e.g. `ids.astype(jnp.int32)`."
-        )
-    return inputs
 
 
 class Embed(nnx.Embed):
@@ -96,11 +82,11 @@ class Embed(nnx.Embed):
 
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         """Embed integer ids; output shape ``inputs.shape + (features,)``."""
-        inputs = check_integer_ids(inputs, "jaxslices.nnx.Embed")
+        inputs = integer_ids(inputs, "jaxslices.nnx.Embed")
         table = self.embedding.get_value()
         if self.num_embeddings == 1:
             inputs = jnp.zeros(inputs.shape, jnp.int32)
-        rows = embedding_lookup(table, _wrap_negative(inputs, self.num_embeddings))
+        rows = embedding_lookup(table, wrap_negative(inputs, self.num_embeddings))
         (rows,) = self.promote_dtype((rows,), dtype=self.dtype, inexact=False)
         if out_sharding is not None:
             rows = jax.sharding.reshard(rows, out_sharding)
