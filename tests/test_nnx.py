@@ -280,3 +280,30 @@ def test_lazy_adam_moves_only_the_touched_rows():
     untouched = np.setdiff1d(np.arange(17), touched)
     np.testing.assert_array_equal(after[untouched], before[untouched])
     assert np.all(np.abs(after[touched] - before[touched]).max(axis=1) > 0)
+
+
+# ------------------------------------------------------------------ packaging
+
+
+def test_import_jaxslices_imports_no_framework():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    code = (
+        "import sys, jaxslices\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('flax', 'equinox'))\n"
+        "assert not bad, bad\n"
+        "import jaxslices.equinox\n"
+        "assert 'flax' not in sys.modules\n"
+        "import jaxslices.nnx, jaxslices.linen\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
