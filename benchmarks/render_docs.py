@@ -186,7 +186,23 @@ def examples_movielens() -> str:
     )
 
 
+def readme_demo() -> str:
+    """README: what the demo prints (its run in benchmarks/results/movielens/)."""
+    r = load("movielens/movielens.json")
+    s, big = r["sparse"], r["large"]
+    return (
+        f"It prints (`benchmarks/results/movielens/movielens.json`, "
+        f"{r['environment']['cpus']} CPU cores): test RMSE {s['test_rmse']:.4f} "
+        f"for jaxslices and {r['dense']['test_rmse']:.4f} for dense Optax (item-mean "
+        f"baseline {r['item_mean_rmse']:.4f}); with {big['item_rows']:,}-row item "
+        f"tables a jaxslices step takes {big['sparse']['median_step_ms']:.2f} ms, "
+        f"a dense Optax step {big['dense']['median_step_ms']:.1f} ms "
+        f"({big['speedup']:.0f}x). Details: [docs/examples.md](docs/examples.md).\n"
+    )
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "readme-demo": readme_demo,
     "examples-movielens": examples_movielens,
     "densify-crossover": densify_crossover,
     "readme-benchmarks": readme_benchmarks,
