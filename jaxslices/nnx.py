@@ -65,8 +65,9 @@ class Embed(nnx.Embed):
     gradient (the stock layer reads NaN). With ``num_embeddings == 1`` every id
     reads row 0, as in the stock layer. ``promote_dtype`` is applied to the
     looked-up rows rather than to the table, so a bf16 ``dtype`` keeps the
-    gradient sparse (in the parameter's dtype). ``out_sharding`` reshards the
-    output with ``jax.sharding.reshard``.
+    gradient sparse (in the parameter's dtype). With ``out_sharding`` (JAX's
+    explicit sharding mode) the lookup runs under ``jax.sharding.auto_axes``,
+    as in the stock layer, and the gradient is dense (correct, not sparse).
 
     Example:
       >>> import jax.numpy as jnp, jaxslices.nnx
@@ -86,10 +87,17 @@ class Embed(nnx.Embed):
         table = self.embedding.get_value()
         if self.num_embeddings == 1:
             inputs = jnp.zeros(inputs.shape, jnp.int32)
-        rows = embedding_lookup(table, wrap_negative(inputs, self.num_embeddings))
+        ids = wrap_negative(inputs, self.num_embeddings)
+        if out_sharding is None:
+            rows = embedding_lookup(table, ids)
+        else:
+            # Explicit sharding: the gather needs its output sharding, which
+            # `auto_axes` provides (as in the stock layer). The sparse mechanism
+            # does not see through `auto_axes`: this path's gradient is dense.
+            rows = jax.sharding.auto_axes(embedding_lookup, out_sharding=out_sharding)(
+                table, ids
+            )
         (rows,) = self.promote_dtype((rows,), dtype=self.dtype, inexact=False)
-        if out_sharding is not None:
-            rows = jax.sharding.reshard(rows, out_sharding)
         return rows
 
 

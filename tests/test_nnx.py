@@ -123,6 +123,28 @@ def test_one_row_table_broadcasts_like_the_stock_layer():
     np.testing.assert_array_equal(g.to_dense(), [[4.0, 4.0, 4.0]])
 
 
+def test_out_sharding_under_explicit_sharding_matches_the_stock_layer():
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    n = min(4, len(jax.devices()))
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        mine = jnnx.Embed(16, 4, rngs=nnx.Rngs(0))
+        stock = nnx.Embed(16, 4, rngs=nnx.Rngs(0))
+        ids = jax.device_put(jnp.arange(2 * n) % 5, P("data"))
+        out = mine(ids, out_sharding=P("data"))
+        assert out.sharding.spec == stock(ids, out_sharding=P("data")).sharding.spec
+        np.testing.assert_array_equal(out, stock(ids, out_sharding=P("data")))
+
+        def loss(m):
+            return jnp.sum(m(ids, out_sharding=P("data")) ** 2)
+
+        # Under auto_axes the gradient is the stock layer's dense one.
+        g1 = jnnx.grad(loss)(mine)["embedding"][...]
+        np.testing.assert_allclose(g1, nnx.grad(loss)(stock)["embedding"][...])
+
+
 def test_float_ids_raise_a_clear_error():
     layer = jnnx.Embed(5, 2, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"jaxslices.nnx.Embed.*integers.*float32"):
