@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import tol
 
 import jaxslices as js
 
@@ -145,6 +146,25 @@ def test_nested_vmap_per_example_model_is_sparse():
     g = jse.filter_grad(nested_loss)(mine, *_batch())
     assert isinstance(g.user.weight, js.IndexedSlices)
     assert isinstance(g.item.weight, js.IndexedSlices)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_dtypes_keep_the_gradient_sparse_in_the_tables_dtype(dtype):
+    key = jax.random.key(1)
+    mine = jse.Embedding(7, 3, dtype=dtype, key=key)
+    stock = eqx.nn.Embedding(7, 3, dtype=dtype, key=key)
+    ids = jnp.array([6, 1, 1, -1, 0])
+    w = jnp.arange(15.0).reshape(5, 3).astype(dtype)
+
+    def loss(m):
+        return jnp.sum((jax.vmap(m)(ids) * w).astype(jnp.float32))
+
+    g = jse.filter_grad(loss)(mine).weight
+    assert isinstance(g, js.IndexedSlices) and g.dtype == dtype
+    want = eqx.filter_grad(loss)(stock).weight
+    np.testing.assert_allclose(
+        np.asarray(g.to_dense(), np.float32), np.asarray(want, np.float32), **tol(dtype)
+    )
 
 
 def test_has_aux_and_extra_arguments():

@@ -8,6 +8,8 @@ import numpy as np
 import optax
 import pytest
 from helpers import tol
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxslices as js
 
@@ -101,6 +103,32 @@ def test_dtypes_follow_the_stock_layer_and_the_gradient_stays_sparse(
         np.asarray(want, np.float32),
         **tol(dtype or param_dtype),
     )
+
+
+@settings(max_examples=8)  # each example traces both layers eagerly (slow)
+@given(
+    num=st.integers(2, 9),
+    features=st.integers(1, 3),
+    shape=st.lists(st.integers(1, 4), min_size=0, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_random_ids_give_the_stock_layers_output_and_gradient(
+    num, features, shape, seed
+):
+    rng = np.random.default_rng(seed)
+    ids = jnp.asarray(rng.integers(-num, num, shape).astype(np.int32))  # repeats
+    mine = jnnx.Embed(num, features, rngs=nnx.Rngs(seed))
+    stock = nnx.Embed(num, features, rngs=nnx.Rngs(seed))
+    np.testing.assert_array_equal(mine(ids), stock(ids))
+    w = jnp.asarray(rng.normal(size=(*shape, features)).astype(np.float32))
+
+    def loss(m):
+        return jnp.sum(m(ids) * w)
+
+    g = jnnx.grad(loss)(mine)["embedding"].get_value()
+    assert isinstance(g, js.IndexedSlices) and g.values.shape[0] == ids.size
+    want = nnx.grad(loss)(stock)["embedding"][...]
+    np.testing.assert_allclose(g.to_dense(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_out_of_range_ids_read_zeros_and_get_no_gradient():
