@@ -105,7 +105,7 @@ def test_dtypes_follow_the_stock_layer_and_the_gradient_stays_sparse(
     )
 
 
-@settings(max_examples=8)  # each example traces both layers eagerly (slow)
+@settings(max_examples=4)  # each example traces both layers eagerly (slow)
 @given(
     num=st.integers(2, 9),
     features=st.integers(1, 3),
