@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx import filterlib, graphlib
 
@@ -112,7 +113,7 @@ def _diff_specs(
     """``[(argnum, filter)]`` in the order the gradients are returned."""
     items = (
         [argnums]
-        if isinstance(argnums, int | nnx.DiffState)
+        if isinstance(argnums, int | np.integer | nnx.DiffState)
         else list(argnums)
         if isinstance(argnums, Sequence)
         else None
@@ -126,8 +127,8 @@ def _diff_specs(
     for item in items:
         if isinstance(item, nnx.DiffState):
             spec = (item.argnum, item.filter)
-        elif isinstance(item, int) and not isinstance(item, bool):
-            spec = (item, nnx.Param)
+        elif isinstance(item, int | np.integer) and not isinstance(item, bool):
+            spec = (int(item), nnx.Param)
         else:
             raise TypeError(
                 f"{_WHERE}: each entry of `argnums` must be an int or an "
@@ -205,18 +206,24 @@ def value_and_grad(
       >>> grads["out"]["kernel"][...].shape  # dense, as nnx.grad gives
       (8, 1)
     """
-    specs = _diff_specs(argnums)
-    single = isinstance(argnums, int | nnx.DiffState)
+    given_specs = _diff_specs(argnums)
+    single = isinstance(argnums, int | np.integer | nnx.DiffState)
 
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = _bind_kwargs(f, args, kwargs)
-        for i, _ in specs:
-            if not 0 <= i < len(args):
+        for i, _ in given_specs:
+            if not -len(args) <= i < len(args):
                 raise ValueError(
                     f"{_WHERE}: argnum {i} is out of range for a call with "
                     f"{len(args)} positional arguments."
                 )
+        specs = [(i % len(args), flt) for i, flt in given_specs]
+        if len({i for i, _ in specs}) != len(specs):
+            raise ValueError(
+                f"{_WHERE}: argnums {argnums!r} name the same argument twice for a "
+                f"call with {len(args)} positional arguments."
+            )
         filters = {i: filterlib.to_predicate(flt) for i, flt in specs}
         nodes = {i: a for i, a in enumerate(args) if graphlib.is_graph_node(a)}
         plain = {i: args[i] for i, _ in specs if i not in nodes}

@@ -220,6 +220,8 @@ def test_diffstate_filter_tuple_argnums_has_aux_and_plain_pytrees():
     np.testing.assert_allclose(gs1["s"], gs2["s"], rtol=1e-5)
     g, aux = jnnx.grad(loss, 1, has_aux=True)(mine, scale, *args)
     assert set(g) == {"s"} and aux.shape == y.shape
+    g2, _ = jnnx.grad(loss, np.int64(-4), has_aux=True)(mine, scale, *args)  # = 1
+    np.testing.assert_array_equal(g2["s"], g["s"])
 
 
 def test_keyword_arguments_are_bound_like_positional_ones():
@@ -279,6 +281,8 @@ def test_argnums_errors():
         jnnx.grad(loss_fn, "model")
     with pytest.raises(ValueError, match="argnum 5 is out of range"):
         jnnx.grad(loss_fn, 5)(mine, *_batch())
+    with pytest.raises(ValueError, match="same argument twice"):
+        jnnx.grad(loss_fn, (3, -1))(mine, *_batch())
 
 
 # -------------------------------------------------------------- training loop
