@@ -58,7 +58,7 @@ class Embedding(eqx.nn.Embedding):
 
     Ids: negative ids count from the end, as in the stock layer; an id
     ``>= num_embeddings`` or ``< -num_embeddings`` reads zeros and gets no
-    gradient (the stock layer clamps it to the last row).
+    gradient (the stock layer clamps it to the first or last row).
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxslices.equinox as jse
