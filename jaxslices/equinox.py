@@ -16,12 +16,11 @@ gradient. This module gives an Equinox user the same idioms, sparse:
   itself maps over the updates tree, so it sees an ``IndexedSlices`` as two
   leaves and fails with a tree-structure error: use this one.
 
-Per-example models work as in Equinox: ``jax.vmap(self.embedding)(ids)``
-inside a loss is sparse; so is ``jax.vmap(model)(batch)`` whose ``__call__``
-looks up one id per example. A model that does both (``jax.vmap(model)`` with
-an inner ``jax.vmap(self.embedding)``: nested ``vmap``) is sparse only where
-:func:`jaxslices.value_and_grad` supports nested ``vmap``; elsewhere the
-gradient is dense and exact (see ``docs/frameworks.md``).
+Per-example models work as in Equinox and stay sparse:
+``jax.vmap(self.embedding)(ids)`` inside a loss, ``jax.vmap(model)(batch)``
+whose ``__call__`` looks up one id per example, and both at once
+(``jax.vmap(model)`` with an inner ``jax.vmap(self.embedding)``: nested
+``vmap``).
 
 Import it as ``import jaxslices.equinox`` (needs ``pip install
 "jaxslices[equinox]"``); ``import jaxslices`` alone never imports Equinox.

@@ -136,16 +136,13 @@ def test_per_example_lookups_at_one_vmap_level_are_sparse():
     assert isinstance(g.head.weight, jax.Array)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="nested vmap falls back to dense until jaxslices/_tape.py supports it "
-    "(issue 11, in progress on the autodiff branch)",
-)
 def test_nested_vmap_per_example_model_is_sparse():
+    # jax.vmap(model) whose __call__ runs jax.vmap(self.item): nested vmap.
     mine, _ = _pair()
     g = jse.filter_grad(nested_loss)(mine, *_batch())
     assert isinstance(g.user.weight, js.IndexedSlices)
     assert isinstance(g.item.weight, js.IndexedSlices)
+    assert g.item.weight.values.shape == (18, DIM)  # 6 examples x 3 items
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
