@@ -156,6 +156,11 @@ def densify_crossover() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _load(env: dict) -> str:
+    load = env.get("load_average_1min")
+    return "" if load is None else f"; load average {load:.1f} at the start"
+
+
 def examples_movielens() -> str:
     """docs/examples.md: the demo's run (``python examples/demo.py --out ...``)."""
     r = load("movielens/movielens.json")
@@ -167,7 +172,7 @@ def examples_movielens() -> str:
         f"ratings ({st['epochs']} epochs), dimension {st['dim']}, L2 {st['reg']} "
         f"on the looked-up rows, {r['optimizer']}; jax {env['jax']} on "
         f"{env['cpus']} CPU cores (`benchmarks/results/movielens/movielens.json`, "
-        f"{r['seconds']:.0f} s in all):\n\n"
+        f"{r['seconds']:.0f} s of training and timing{_load(env)}):\n\n"
         "| model | test RMSE |\n|---|---|\n"
         f"| global mean | {r['global_mean_rmse']:.4f} |\n"
         f"| per-item mean (shrunk) | {r['item_mean_rmse']:.4f} |\n"
@@ -192,7 +197,8 @@ def readme_demo() -> str:
     s, big = r["sparse"], r["large"]
     return (
         f"It prints (`benchmarks/results/movielens/movielens.json`, "
-        f"{r['environment']['cpus']} CPU cores): test RMSE {s['test_rmse']:.4f} "
+        f"{r['environment']['cpus']} CPU cores{_load(r['environment'])}): "
+        f"test RMSE {s['test_rmse']:.4f} "
         f"for jaxslices and {r['dense']['test_rmse']:.4f} for dense Optax (item-mean "
         f"baseline {r['item_mean_rmse']:.4f}); with {big['item_rows']:,}-row item "
         f"tables a jaxslices step takes {big['sparse']['median_step_ms']:.2f} ms, "

@@ -251,6 +251,8 @@ def environment() -> dict:
         "device": jax.devices()[0].device_kind,
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
+        # Timings on a shared machine depend on what else runs: record it.
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
 
 
