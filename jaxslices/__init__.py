@@ -5,6 +5,17 @@ A training step that reads an embedding table through
 an :class:`IndexedSlices` gradient of the rows the batch touched; jaxslices'
 Optax transforms keep it sparse and :func:`jaxslices.apply_updates` writes it
 in place, so a step costs what the batch touches, not what the table holds.
+
+Framework layers (optional extras, imported only when used; ``import
+jaxslices`` imports neither Flax nor Equinox):
+
+* :mod:`jaxslices.nnx` (``jaxslices[flax]``): ``Embed``, a drop-in for
+  ``flax.nnx.Embed``, and ``value_and_grad`` / ``grad`` like ``nnx``'s.
+* :mod:`jaxslices.linen` (``jaxslices[flax]``): ``Embed``, a drop-in for
+  ``flax.linen.Embed``.
+* :mod:`jaxslices.equinox` (``jaxslices[equinox]``): ``Embedding``, a drop-in
+  for ``equinox.nn.Embedding``, ``filter_value_and_grad`` / ``filter_grad``
+  and ``apply_updates``.
 """
 
 from importlib.metadata import PackageNotFoundError, version
