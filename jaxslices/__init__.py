@@ -9,11 +9,16 @@ in place, so a step costs what the batch touches, not what the table holds.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import sharding as sharding
 from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
 from .embedding import check_ids as check_ids
 from .embedding import embedding_bag as embedding_bag
 from .embedding import embedding_lookup as embedding_lookup
+from .sharding import shard_rows as shard_rows
+from .sharding import sharded_init as sharded_init
+from .sharding import sharded_lookup as sharded_lookup
+from .sharding import sharded_update as sharded_update
 from .slices import IndexedSlices as IndexedSlices
 from .slices import coalesce as coalesce
 from .slices import concatenate as concatenate
@@ -80,4 +85,9 @@ __all__ = [
     "scale_by_schedule",
     "sgd",
     "trace",
+    "sharding",
+    "shard_rows",
+    "sharded_init",
+    "sharded_lookup",
+    "sharded_update",
 ]

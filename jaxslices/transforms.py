@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from . import slices
+from . import sharding, slices
 from .slices import IndexedSlices, _replace_values, check_slices
 
 __all__ = [
@@ -165,6 +165,7 @@ def _rows(x: jax.Array, c: IndexedSlices) -> jax.Array:
 
 def _set_rows(x: jax.Array, c: IndexedSlices, rows: jax.Array) -> jax.Array:
     """Write ``rows`` into ``x`` at ``c``'s (unique) indices; padding dropped."""
+    c, rows = sharding.replicate_rows(x, (c, rows))
     return x.at[slices.safe_indices(c)].set(rows.astype(x.dtype), mode="drop")
 
 
