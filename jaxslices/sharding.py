@@ -99,6 +99,14 @@ def _shard_map(f, mesh, in_specs, out_specs):
     )  # pragma: no cover
 
 
+def _all_gather_invariant(x: Any, axes: tuple[str, ...]) -> Any:
+    """Tiled all-gather whose result ``shard_map`` knows is the same everywhere."""
+    try:
+        return jax.lax.all_gather(x, axes, axis=0, tiled=True, to="invarying")
+    except TypeError:  # pragma: no cover - JAX without `to=` infers it itself
+        return jax.lax.all_gather(x, axes, axis=0, tiled=True)
+
+
 # ------------------------------------------------------------ data parallel
 
 
@@ -438,8 +446,7 @@ def _route_to_owner(g, *, axis, others, shards, rows, capacity):
     ids = _exchange(_send(offset, dest, slot, ok, shards, capacity, rows), axis)
     vals = _exchange(_send(c.values, dest, slot, ok, shards, capacity, 0), axis)
     if others:  # table replicas on the other mesh axes get every replica's rows
-        ids = jax.lax.all_gather(ids, others, axis=0, tiled=True)
-        vals = jax.lax.all_gather(vals, others, axis=0, tiled=True)
+        ids, vals = _all_gather_invariant((ids, vals), others)
     return IndexedSlices(
         vals.reshape(-1, *g.row_shape), ids.reshape(-1), (rows, *g.row_shape)
     )
@@ -538,7 +545,7 @@ def sharded_update(
                 )
             g = _pad_slices(g, devices)
             g_in.append(g)
-            g_specs.append(IndexedSlices(batch, batch, g.dense_shape))
+            g_specs.append(jax.tree.unflatten(jax.tree.structure(g), [batch, batch]))
         else:
             g_in.append(g)
             g_specs.append(P())
