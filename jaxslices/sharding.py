@@ -78,7 +78,7 @@ def _abstract_mesh(x: Any) -> Any | None:
         mesh = typeof(x).sharding.mesh
     except (AttributeError, TypeError):  # pragma: no cover - not an array
         return None
-    if mesh is None or getattr(mesh, "empty", True) or mesh.size == 1:
+    if mesh is None or getattr(mesh, "empty", True):
         return None
     return mesh
 
@@ -135,7 +135,7 @@ def replicate_rows(target: Any, tree: Any) -> Any:
       True
     """
     mesh = _abstract_mesh(target)
-    if mesh is None or "Manual" in _axis_kinds(mesh):
+    if mesh is None or mesh.size == 1 or "Manual" in _axis_kinds(mesh):
         return tree
     if "Explicit" in _axis_kinds(mesh) and hasattr(jax.sharding, "reshard"):
         return jax.tree.map(lambda x: jax.sharding.reshard(x, P()), tree)
