@@ -16,7 +16,8 @@ Conventions (see ``docs/design.md``):
   is treated like padding: it contributes nothing. JAX scatters would wrap a
   negative index to the end of the array even with ``mode="drop"``; every
   scatter here masks them first, so no row is ever written that was not asked
-  for. ``jaxslices.check_indices`` raises on them instead (opt-in).
+  for. ``check_ids=True`` on the lookups (or ``jaxslices.check_ids``) raises on
+  out-of-range ids instead (opt-in).
 * **Static shapes.** ``dense_shape`` is a tuple of Python ints, part of the
   pytree's static aux data; ``values`` and ``indices`` are the children.
 """

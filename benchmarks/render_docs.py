@@ -1,0 +1,211 @@
+"""Write the measured numbers quoted in README.md and docs/ from benchmarks/results/.
+
+Every number that README.md or a page in docs/ quotes from a measurement lives in
+a generated block::
+
+    <!-- BEGIN GENERATED: name -->
+    ...text made by the function registered as ``name`` below...
+    <!-- END GENERATED: name -->
+
+``python benchmarks/render_docs.py`` rewrites every block from the JSON files in
+``benchmarks/results/``; ``--check`` only reports blocks that are out of date
+(exit status 1). ``tests/test_docs.py`` runs the check, so a results file and
+the prose quoting it cannot drift apart, and it refuses measured quantities
+(``12 ms``, ``3.4x``, ``5 MB``) written by hand outside such blocks.
+
+To quote a new number: add a function here that reads it from a results file,
+register it in ``BLOCKS``, put an empty block with its name in the page and run
+this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("docs/*.md"))]
+
+_BLOCK = re.compile(
+    r"(<!-- BEGIN GENERATED: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)"
+    r"(<!-- END GENERATED: (?P=name) -->)",
+    re.S,
+)
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _median_ms(rows: list[dict], num_rows: int, optimizer: str, path: str) -> float:
+    for r in rows:
+        if (r["num_rows"], r["optimizer"], r["path"]) == (num_rows, optimizer, path):
+            return r["median_ms"]
+    raise KeyError(f"no row V={num_rows} optimizer={optimizer} path={path}")
+
+
+def _rows_label(v: int) -> str:
+    if v % (1 << 20) == 0:
+        return f"{v >> 20}M"
+    if v % (1 << 10) == 0:
+        return f"{v >> 10}K"
+    return str(v)
+
+
+def readme_benchmarks() -> str:
+    """The README's summary of the step benchmark (CPU and GPU runs)."""
+    cpu = load("step_bench_cpu.json")
+    rows = cpu["rows"]
+    big = max(r["num_rows"] for r in rows)
+
+    def ratio(opt, a, b):
+        return _median_ms(rows, big, opt, a) / _median_ms(rows, big, opt, b)
+
+    sgd_speedup = ratio("sgd", "dense", "jaxslices")
+    sgd_floor = ratio("sgd", "jaxslices", "floor")
+    adam_speedup = ratio("adam", "dense", "jaxslices")
+    text = (
+        f"A training step (1024 x 16 Zipf ids, `V x 64` table) with jaxslices costs\n"
+        f"what the batch touches. On a {cpu.get('nproc', 2)}-core CPU "
+        f"(`step_bench_cpu.json`), at V = {_rows_label(big)}\n"
+        f"SGD is {sgd_speedup:.0f}x faster than the dense Optax path and "
+        f"{sgd_floor:.2f}x the time of a\n"
+        f"hand-written sparse step; lazy Adam is {adam_speedup:.0f}x faster than "
+        f"dense Adam."
+    )
+    gpu_file = RESULTS / "step_bench_gpu.json"
+    if gpu_file.exists():
+        gpu = load("step_bench_gpu.json")
+        js = [r for r in gpu["rows"] if r["path"] == "jaxslices"]
+        vs = sorted({r["num_rows"] for r in js})
+        lo = min(r["median_ms"] for r in js)
+        hi = max(r["median_ms"] for r in js)
+        text += (
+            f"\nOn an {gpu.get('device', 'GPU')} (`step_bench_gpu.json`) every "
+            f"jaxslices optimizer takes\n"
+            f"{lo:.2f}-{hi:.2f} ms per step from V = {_rows_label(vs[0])} to "
+            f"{_rows_label(vs[-1])}."
+        )
+    return text + "\n"
+
+
+def design_coalesce() -> str:
+    """docs/design.md: the coalescing timings behind the default methods."""
+    out = []
+    for backend, label in (("cpu", "2 CPU cores"), ("gpu", "an H100")):
+        path = RESULTS / f"coalesce_bench_{backend}.json"
+        if not path.exists():
+            continue
+        res = load(path.name)["results"]
+        t = {k: [] for k in res[0]["timings"]}
+        for r in res:
+            for k, v in r["timings"].items():
+                t.setdefault(k, []).append(v["median_ms"])
+        med = {k: statistics.median(v) for k, v in t.items() if v}
+        parts = ", ".join(
+            f"{k} {med[k]:.2f} ms"
+            for k in ("library", "pair_sort", "unique", "hash")
+            if k in med
+        )
+        n = res[0]["n"]
+        dim = res[0]["dim"]
+        out.append(
+            f"* {label} (`coalesce_bench_{backend}.json`, {n} x {dim} Zipf ids, "
+            f"median over table sizes): {parts}."
+        )
+    return "\n".join(out) + "\n"
+
+
+def densify_crossover() -> str:
+    """Where `densify()` stops paying off (the crossover run of step_bench)."""
+    d = load("step_bench_crossover_cpu.json")
+    med: dict[tuple[int, str], dict[str, float]] = {}
+    for r in d["rows"]:
+        med.setdefault((r["num_rows"], r["optimizer"]), {})[r["path"]] = r["median_ms"]
+    sizes = sorted({v for v, _ in med})
+    opts = sorted({o for _, o in med})
+    wins = {
+        v: [o for o in opts if med[(v, o)]["densify"] < med[(v, o)]["jaxslices"]]
+        for v in sizes
+    }
+    all_win = [v for v in sizes if len(wins[v]) == len(opts)]
+    none_win = [v for v in sizes if not wins[v]]
+    lines = [
+        f"Measured on {d.get('nproc', 2)} CPU cores for {d['workload']['dim']}-wide "
+        f"float32 rows (`step_bench_crossover_cpu.json`, "
+        f"{', '.join(o.replace('_', ' + ') for o in opts)}):"
+    ]
+    for v in sizes:
+        ratios = ", ".join(
+            f"{o} {med[(v, o)]['jaxslices'] / med[(v, o)]['densify']:.2f}x"
+            for o in opts
+        )
+        lines.append(f"* V = {_rows_label(v)}: densify speed-up {ratios}")
+    if all_win and none_win:
+        lines.append(
+            f"\nSo `densify` pays off up to about {_rows_label(max(all_win))} rows "
+            f"and loses from {_rows_label(min(none_win))} rows on; use it "
+            f"(`max_rows={max(all_win)}`) for tables below that size."
+        )
+    return "\n".join(lines) + "\n"
+
+
+BLOCKS: dict[str, Callable[[], str]] = {
+    "densify-crossover": densify_crossover,
+    "readme-benchmarks": readme_benchmarks,
+    "design-coalesce": design_coalesce,
+}
+
+
+def render(text: str, page: str) -> str:
+    def sub(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in BLOCKS:
+            raise KeyError(
+                f"{page}: generated block {name!r} has no renderer in "
+                f"benchmarks/render_docs.py (known: {sorted(BLOCKS)})"
+            )
+        return m.group(1) + BLOCKS[name]() + m.group(4)
+
+    return _BLOCK.sub(sub, text)
+
+
+def stale_pages() -> list[str]:
+    """Pages whose generated blocks differ from what the results files give."""
+    stale = []
+    for page in PAGES:
+        text = (ROOT / page).read_text()
+        if render(text, page) != text:
+            stale.append(page)
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--check", action="store_true", help="report stale blocks, write nothing"
+    )
+    args = parser.parse_args(argv)
+    if args.check:
+        stale = stale_pages()
+        for page in stale:
+            print(f"{page}: generated blocks are out of date", file=sys.stderr)
+        return 1 if stale else 0
+    for page in PAGES:
+        path = ROOT / page
+        text = path.read_text()
+        new = render(text, page)
+        if new != text:
+            path.write_text(new)
+            print(f"rewrote {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
