@@ -529,15 +529,17 @@ def sharded_update(
     if first is None:
         upd, state = tx.update(grads, state, params)
         return updates_.apply_updates(params, upd), state
-    mesh, shards, rows = _resolve(first, mesh, axis, "sharded_update")
+    mesh, shards, _ = _resolve(first, mesh, axis, "sharded_update")
     devices = mesh.size
     others = tuple(a for a in mesh.axis_names if a != axis)
     batch = P(_all_axes(mesh))
 
     p_specs = [P(axis) if t else P() for t in tables]
+    num_rows = [p.shape[0] if p.ndim else 0 for p in leaves]
     g_in, g_specs = [], []
     for g, t, p in zip(g_leaves, tables, leaves, strict=True):
         if t:
+            _resolve(p, mesh, axis, "sharded_update")  # rows divide evenly
             if g.dense_shape != tuple(p.shape):
                 raise ValueError(
                     f"sharded_update: a gradient has dense shape {g.dense_shape} "
@@ -562,8 +564,9 @@ def sharded_update(
 
     def local(g_flat, state, p_flat):
         local_grads = []
-        for g, t in zip(g_flat, tables, strict=True):
+        for g, t, v in zip(g_flat, tables, num_rows, strict=True):
             if t:
+                rows = v // shards
                 n_local = g.num_slices
                 cap = n_local if capacity is None else int(capacity)
                 g = _route_to_owner(
