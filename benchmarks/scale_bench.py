@@ -277,13 +277,15 @@ def save_plot(rows: list[dict], path: str, env: dict) -> None:
             pts = [
                 (r["devices"], r[key] * scale)
                 for r in rows
-                if r["path"] == p and r[key] is not None
+                if r["path"] == p
+                and r[key] is not None
+                and (key != "comm_bytes" or r[key] > 0)  # log axis: 1 device sends 0
             ]
             if pts:
                 ax.plot(*zip(*pts, strict=True), "o-", label=p)
         ax.set_xscale("log", base=2)
         if key == "comm_bytes":
-            ax.set_yscale("symlog", linthresh=1024)
+            ax.set_yscale("log")
         ax.set_xlabel("devices")
         ax.set_title(label)
         ax.grid(True, alpha=0.3)
