@@ -45,6 +45,11 @@ from .transforms import scale_by_rss as scale_by_rss
 from .transforms import scale_by_schedule as scale_by_schedule
 from .transforms import sgd as sgd
 from .transforms import trace as trace
+from .tree import tree_add as tree_add
+from .tree import tree_map_values as tree_map_values
+from .tree import tree_pmean as tree_pmean
+from .tree import tree_psum as tree_psum
+from .tree import tree_scale as tree_scale
 from .updates import apply_updates as apply_updates
 
 try:
@@ -69,6 +74,11 @@ __all__ = [
     "scatter_update",
     "sparse_mask",
     "to_dense",
+    "tree_add",
+    "tree_map_values",
+    "tree_pmean",
+    "tree_psum",
+    "tree_scale",
     "apply_updates",
     "add_decayed_weights",
     "adagrad",
