@@ -242,10 +242,17 @@ def sharded_init(tx: optax.GradientTransformation, params: Any) -> Any:
 # ------------------------------------------------------------------ routing
 
 
-def _check_routing(routing: str, where: str) -> None:
+def _check_routing(routing: str, where: str, capacity: Any = None) -> None:
     if routing not in _ROUTINGS:
         raise ValueError(
             f"{where}: `routing` must be one of {_ROUTINGS}, got {routing!r}."
+        )
+    if capacity is not None and (
+        not isinstance(capacity, (int, np.integer)) or capacity < 1
+    ):
+        raise ValueError(
+            f"{where}: `capacity` must be a positive int (slots per destination "
+            f"shard) or None (never overflows), got {capacity!r}."
         )
 
 
@@ -401,7 +408,7 @@ def sharded_lookup(
       Array([[[6., 7.],
               [0., 1.]]], dtype=float32)
     """
-    _check_routing(routing, "sharded_lookup")
+    _check_routing(routing, "sharded_lookup", capacity)
     if routing == "masked":
         return embedding_lookup(table, ids)
     ids = jnp.asarray(ids)
@@ -472,7 +479,9 @@ def sharded_update(
     parameter whose gradient is an :class:`~jaxslices.IndexedSlices` is a
     table sharded by rows over ``axis`` (:func:`shard_rows`); every other
     parameter is replicated; the state is laid out like its parameters
-    (:func:`sharded_init`).
+    (:func:`sharded_init`). (A table whose gradient fell back to dense, e.g.
+    tied weights, counts as replicated under ``"all_to_all"``: correct, but it
+    is gathered whole; use ``"masked"`` for such tables.)
 
     * ``routing="masked"``: ``tx.update`` + ``apply_updates`` as written, each
       device handling the rows of the whole global batch and writing those it
@@ -512,7 +521,7 @@ def sharded_update(
       >>> new["emb"][:, 0]
       Array([1., 0., 1., 1.], dtype=float32)
     """
-    _check_routing(routing, "sharded_update")
+    _check_routing(routing, "sharded_update", capacity)
     if routing == "masked":
         upd, state = tx.update(grads, state, params)
         return updates_.apply_updates(params, upd), state

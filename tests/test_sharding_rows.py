@@ -182,6 +182,8 @@ def test_bad_arguments():
     table = js.shard_rows(jnp.ones((64, 2)), m, "model")
     with pytest.raises(ValueError, match="routing"):
         js.sharded_lookup(table, jnp.zeros((8,), jnp.int32), axis="model", routing="x")
+    with pytest.raises(ValueError, match="capacity"):
+        js.sharded_lookup(table, jnp.zeros((8,), jnp.int32), axis="model", capacity=0)
     with pytest.raises(ValueError, match="axis"):
         js.shard_rows(jnp.ones((8, 2)), m, "nope")
     with pytest.raises(ValueError, match="divisible"):
