@@ -11,9 +11,11 @@ process on one local device, to ``OUT_JSON``.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import sys
 import traceback
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jaxslices as js
+js: Any = None  # jaxslices, imported after jax.distributed.initialize (see main)
 
 V, D, B, L = 1024, 8, 32, 4
 
@@ -120,6 +122,11 @@ def main(port: str, pid: int, nproc: int, out_path: str) -> None:
         heartbeat_timeout_seconds=30,
         shutdown_timeout_seconds=30,
     )
+    # `import jaxslices` currently starts the XLA backend (typed indices make
+    # a key array at import), after which initialize() refuses to run; see
+    # test_import_does_not_start_the_backend.
+    global js
+    js = importlib.import_module("jaxslices")
     result: dict = {"process": pid, "devices": jax.device_count()}
     try:
         for mode in ("data_parallel", "row_sharded_all_to_all"):
