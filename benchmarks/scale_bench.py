@@ -56,12 +56,15 @@ PATHS = ("dense_dp", "js_dp", "rows_masked", "rows_a2a")
 LR = 1e-3
 
 
-def make_batches(num_rows, batch, bag, num_batches, seed):
+def make_batches(num_rows, batch, bag, num_batches, seed, dist="zipf"):
     rng = np.random.default_rng(seed)
-    ids = [
-        (rng.zipf(1.2, size=(batch, bag)) % num_rows).astype(np.int32)
-        for _ in range(num_batches)
-    ]
+
+    def draw():
+        if dist == "uniform":
+            return rng.integers(0, num_rows, size=(batch, bag))
+        return rng.zipf(1.2, size=(batch, bag)) % num_rows
+
+    ids = [draw().astype(np.int32) for _ in range(num_batches)]
     return ids, rng.normal(size=(batch,)).astype(np.float32)
 
 
@@ -177,12 +180,15 @@ def main(
     passes: int = 4,
     paths: tuple[str, ...] = PATHS,
     seed: int = 0,
+    ids_dist: str = "zipf",
     out: str | None = None,
     plot: bool = True,
 ) -> dict:
     """Run every (device count, path); returns the report (printed and saved)."""
     devices = tuple(n for n in devices if n <= len(jax.devices()))
-    ids, y = make_batches(num_rows, batch, bag, num_batches, seed)
+    if ids_dist not in ("zipf", "uniform"):
+        raise ValueError(f"ids_dist must be 'zipf' or 'uniform', got {ids_dist!r}")
+    ids, y = make_batches(num_rows, batch, bag, num_batches, seed, ids_dist)
     rows = []
     bar = progress(len(devices) * len(paths) * steps * passes, "scale_bench")
     for n in devices:
@@ -217,7 +223,7 @@ def main(
             "dim": dim,
             "batch": batch,
             "bag": bag,
-            "zipf": 1.2,
+            "ids": "zipf(1.2) % V" if ids_dist == "zipf" else "uniform",
             "optimizer": "adam / lazy_adam",
         },
         "steps_per_pass": steps,
@@ -229,9 +235,11 @@ def main(
         f"{report['cpu']} x{report['nproc']} ({report['backend']}), jax {report['jax']}"
     )
     print(report["table"])
-    save_json(report, out, f"scale_bench_{report['backend']}.json")
+    name = f"scale_bench_{report['backend']}"
+    name += "" if ids_dist == "zipf" else f"_{ids_dist}"
+    save_json(report, out, f"{name}.json")
     if out and plot:
-        save_plot(rows, str(Path(out) / f"scale_bench_{report['backend']}.png"), report)
+        save_plot(rows, str(Path(out) / f"{name}.png"), report)
     return report
 
 
@@ -308,6 +316,12 @@ if __name__ == "__main__":
     a.add_argument("--steps", type=int, default=5, help="timed steps per turn")
     a.add_argument("--passes", type=int, default=4, help="round-robin turns")
     a.add_argument("--paths", nargs="+", default=list(PATHS))
+    a.add_argument(
+        "--ids",
+        default="zipf",
+        choices=["zipf", "uniform"],
+        help="id distribution (uniform: output files get a _uniform suffix)",
+    )
     a.add_argument("--out", default=None)
     args = a.parse_args()
     main(
@@ -318,5 +332,6 @@ if __name__ == "__main__":
         steps=args.steps,
         passes=args.passes,
         paths=tuple(args.paths),
+        ids_dist=args.ids,
         out=args.out,
     )

@@ -43,6 +43,28 @@ def test_scale_bench_smoke(monkeypatch, tmp_path):
     assert (tmp_path / f"scale_bench_{report['backend']}.png").stat().st_size > 1000
 
 
+def test_scale_bench_uniform_ids(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("scale_bench", None)
+    scale_bench = importlib.import_module("scale_bench")
+    report = scale_bench.main(
+        devices=(2,),
+        num_rows=1024,
+        dim=4,
+        batch=16,
+        bag=2,
+        num_batches=1,
+        steps=1,
+        passes=1,
+        paths=("rows_a2a",),
+        ids_dist="uniform",
+        out=str(tmp_path),
+        plot=False,
+    )
+    assert report["workload"]["ids"] == "uniform"
+    assert (tmp_path / f"scale_bench_{report['backend']}_uniform.json").exists()
+
+
 def test_needed_capacity(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     sys.modules.pop("scale_bench", None)
