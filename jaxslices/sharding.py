@@ -135,10 +135,10 @@ def replicate_rows(target: Any, tree: Any) -> Any:
       True
     """
     mesh = _abstract_mesh(target)
-    if mesh is None or mesh.size == 1 or "Manual" in _axis_kinds(mesh):
+    if mesh is None or mesh.size == 1 or _axis_kinds(mesh) & {"Manual", "Explicit"}:
+        # Inside shard_map every array is local already; meshes with Explicit
+        # axes are not supported by jaxslices' lookups yet (docs/scale_out.md).
         return tree
-    if "Explicit" in _axis_kinds(mesh) and hasattr(jax.sharding, "reshard"):
-        return jax.tree.map(lambda x: jax.sharding.reshard(x, P()), tree)
     replicated = NamedSharding(mesh, P())
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), tree)
 
