@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _tape
 from . import updates as updates_
-from .embedding import embedding_lookup
+from .embedding import _safe_ids, embedding_lookup
 from .slices import IndexedSlices, coalesce, is_indexed_slices
 
 __all__ = [
@@ -411,7 +411,7 @@ def sharded_lookup(
     _check_routing(routing, "sharded_lookup", capacity)
     if routing == "masked":
         return embedding_lookup(table, ids)
-    ids = jnp.asarray(ids)
+    ids = ids if hasattr(ids, "dtype") else np.asarray(ids)  # no narrowing
     if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.ndim < 1:
         raise TypeError(
             "sharded_lookup: `ids` must be an integer array with a batch dimension, "
@@ -426,9 +426,9 @@ def sharded_lookup(
         rows=rows,
         capacity=capacity,
     )
-    tape = _tape.current()
-    out = tape.lookup(table, ids, gather) if tape is not None else None
-    return gather(table, ids) if out is None else out
+    safe = _safe_ids(ids, table.shape[0])  # the ids policy: invalid ids -> V
+    out = _tape.lookup(table, safe, gather)  # sparse under value_and_grad
+    return gather(table, safe) if out is None else out
 
 
 # ------------------------------------------------------------------- update
