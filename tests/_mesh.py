@@ -42,6 +42,8 @@ OPTIMIZERS = {
     "adagrad": lambda: js.adagrad(0.5),
     "lazy_adam": lambda: js.lazy_adam(0.05),
     "lazy_adamw": lambda: js.lazy_adamw(0.05, weight_decay=0.1),
+    "rowwise_adagrad": lambda: js.rowwise_adagrad(0.5),
+    "ftrl": lambda: js.ftrl(0.5),
 }
 
 

@@ -89,8 +89,9 @@ def _check(compiled, ref, out, m, num_rows=V, axis="model"):
     _mesh.assert_trees_close(_unpad((params, state), num_rows), ref[:2])
     np.testing.assert_allclose(loss, ref[2], rtol=1e-5)
     row_sharded = NamedSharding(m, P(axis))
+    padded = shard * m.shape[axis]
     for leaf in jax.tree.leaves((params, state)):
-        if leaf.ndim == 2:  # the table and its state: still sharded by rows
+        if leaf.ndim and leaf.shape[0] == padded:  # table, state: still by rows
             assert leaf.sharding.is_equivalent_to(row_sharded, 2), leaf.sharding
     # Nothing table-sized is held whole by a device (growth with V: below).
     temp = compiled.memory_analysis().temp_size_in_bytes
