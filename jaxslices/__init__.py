@@ -20,6 +20,7 @@ jaxslices`` imports neither Flax nor Equinox):
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import sharding as sharding
 from ._conditionality import apply_if_finite as apply_if_finite
 from .accumulate import MultiSteps as MultiSteps
 from .accumulate import MultiStepsState as MultiStepsState
@@ -28,6 +29,10 @@ from .autodiff import value_and_grad as value_and_grad
 from .embedding import check_ids as check_ids
 from .embedding import embedding_bag as embedding_bag
 from .embedding import embedding_lookup as embedding_lookup
+from .sharding import shard_rows as shard_rows
+from .sharding import sharded_init as sharded_init
+from .sharding import sharded_lookup as sharded_lookup
+from .sharding import sharded_update as sharded_update
 from .slices import IndexedSlices as IndexedSlices
 from .slices import coalesce as coalesce
 from .slices import concatenate as concatenate
@@ -127,4 +132,9 @@ __all__ = [
     "ScaleByRssState",
     "ScaleByScheduleState",
     "TraceState",
+    "sharding",
+    "shard_rows",
+    "sharded_init",
+    "sharded_lookup",
+    "sharded_update",
 ]
