@@ -133,6 +133,9 @@ def embedding_lookup(
     table, ids = _check_lookup_args(table, ids, "embedding_lookup")
     if check_ids:
         _check_ids(ids, table.shape[0])
+    native = getattr(table, "_jaxslices_native_lookup", None)  # a native.mark-ed table
+    if native is not None:
+        return native(table, ids, dtype=dtype)
     tape = _tape.current()
     out = tape.lookup(table, ids, _gather) if tape is not None else None
     if out is None:
