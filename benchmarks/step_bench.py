@@ -19,6 +19,10 @@ Paths, each one jitted step with params and optimizer state donated:
   ``coalesce_bench.py`` (hash dedup), independent of jaxslices.
 * ``densify``: ``jaxslices`` with ``jaxslices.densify()`` first in the chain
   (the opt-in dense fallback for small tables; run for ``V <= --densify-max-v``).
+* ``native``: the experimental native backend (``jaxslices.native``): the
+  table marked inside the step (capacity = ids per batch), plain
+  ``jax.value_and_grad``, ``native.to_indexed_slices``, then the same
+  jaxslices transforms and ``apply_updates`` as ``jaxslices``.
 * ``js_hash``: prototype: ``jaxslices`` with the transforms' internal
   coalescing (``jaxslices.transforms._coalesce_for_update``) swapped for the
   hash dedup while the step is traced. Measures a proposed library change.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -55,7 +60,7 @@ from coalesce_bench import hash_dedup
 import jaxslices as js
 
 OPTIMIZERS = ("sgd", "clip_sgd", "adagrad", "adam")
-PATHS = ("dense", "jaxslices", "floor", "densify", "js_hash")
+PATHS = ("dense", "jaxslices", "floor", "densify", "js_hash", "native")
 NEEDS_API = {"jaxslices", "densify", "js_hash"}  # paths that use value_and_grad
 LR = {"sgd": 0.1, "clip_sgd": 0.1, "adagrad": 0.1, "adam": 1e-3}
 
@@ -143,6 +148,27 @@ def make_jaxslices(name: str, params):
 def make_densify(name: str, params):
     opt = optax.chain(js.densify(), _sparse_opt(name))
     return _optax_step(opt, js.value_and_grad, sparse_loss, js.apply_updates, params)
+
+
+# --- native backend path (jaxslices.native; owner: native backend) ---------
+
+
+def make_native(name: str, params):
+    from jaxslices import native
+
+    opt = _sparse_opt(name)
+
+    def step(params, state, ids, y):
+        marked = {**params, "emb": native.mark(params["emb"], capacity=ids.size)}
+        loss, grads = jax.value_and_grad(sparse_loss)(marked, ids, y)
+        grads = native.to_indexed_slices(grads)
+        updates, state = opt.update(grads, state, params)
+        return js.apply_updates(params, updates), state, loss
+
+    return step, opt.init(params)
+
+
+# --- end of the native backend path ------------------------------------------
 
 
 def _rows_grad(params, ids, y):
@@ -270,6 +296,7 @@ MAKERS: dict[str, Callable[[str, Any], tuple[Step, Any]]] = {
     "floor": make_floor,
     "densify": make_densify,
     "js_hash": make_jaxslices,  # traced under hash_coalescing()
+    "native": make_native,
 }
 
 
@@ -286,7 +313,9 @@ class Runner:
         with ctx:  # tracing happens in lower()
             step, state = MAKERS[path](opt, params)
             jitted = jax.jit(step, donate_argnums=(0, 1))
+            t0 = time.perf_counter()
             compiled = jitted.lower(params, state, ids[0], y).compile()
+            compile_s = time.perf_counter() - t0  # trace + lower + compile
         mem = compiled.memory_analysis()
         self.memory = {
             f"{k}_bytes": int(getattr(mem, f"{k}_size_in_bytes", -1))
@@ -298,6 +327,7 @@ class Runner:
         for _ in range(3):  # warm up
             self()
         self.memory.update(rss_mb())
+        self.memory["compile_s"] = compile_s
         # This runner's footprint (params, state, executable, temporaries once
         # allocated); approximate, as freed memory may be reused.
         self.memory["rss_delta_mb"] = self.memory["rss_mb"] - rss_before
@@ -431,6 +461,7 @@ def markdown_table(rows: list[dict]) -> str:
         ("jaxslices", "floor"),
         ("js_hash", "floor"),
         ("densify", "jaxslices"),
+        ("native", "jaxslices"),
     ]
     ratios = [(a, b) for a, b in ratios if a in present and b in present]
     head = (
@@ -550,6 +581,7 @@ def save_plot(rows: list[dict], path: str, env: dict[str, Any]) -> None:
         "floor": "^--",
         "densify": "x:",
         "js_hash": "d-.",
+        "native": "v-",
     }
     for ax, opt in zip(axes, opts, strict=True):
         for p, style in styles.items():

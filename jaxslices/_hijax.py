@@ -103,14 +103,14 @@ def is_grad_accum(x: Any) -> bool:
     return isinstance(x, GradAccum)
 
 
-def remat_error_hook(message: str) -> Any:
-    """A ``VJPHiPrimitive.remat`` method that raises ``message``.
+def remat_error_hook(error: type[Exception], message: str) -> Any:
+    """A ``VJPHiPrimitive.remat`` method that raises ``error(message)``.
 
     Its first argument is a checkpoint policy (JAX 0.10.2) or a trace (0.11);
     both are taken positionally and ignored.
     """
 
     def remat(self: Any, _policy_or_trace: Any, *args: Any) -> Any:
-        raise NotImplementedError(message)
+        raise error(message)
 
     return remat

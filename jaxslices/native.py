@@ -224,16 +224,28 @@ class RowSparseType(_hijax.HiType):
 
     def vspace_zero(self) -> Any:
         n, row, b = self.capacity, self.dense_shape[1:], self.batch_shape
-        return _make(
+        zero = _make(
             jnp.zeros(b + (n,) + row, self.dtype),
             jnp.full(b + (n,), self.dense_shape[0], self.index_dtype),
             jnp.zeros(b, jnp.int32),
             self.dense_shape,
             self.capacity,
         )
+        return _remember_count(zero, 0) if not b else zero
 
     def vspace_add(self, x: Any, y: Any) -> Any:
-        return _Add(self)(x, y)
+        nx, ny = _static_count(x), _static_count(y)
+        out = _Add(self)(x, y)
+        if nx is None or ny is None:
+            return out
+        if nx + ny > self.capacity:
+            raise ValueError(
+                f"jaxslices.native: the gradient of a SparseTable with capacity "
+                f"{self.capacity} needs {nx + ny} row slots (lookups added "
+                f"together): one per looked-up id (gradient {self.str_short()}). "
+                f"Mark the table with capacity >= {nx + ny}."
+            )
+        return _remember_count(out, nx + ny)
 
     def dec_rank(self, size: Any, spec: Any) -> RowSparseType:
         if spec != 0 or not self.batch_shape or self.batch_shape[0] != size:
@@ -493,15 +505,39 @@ class _Lookup(_hijax.VJPHiPrimitive):
         )
 
     remat = _hijax.remat_error_hook(
+        NativeBackendError,
         "jaxslices.native.lookup: jax.checkpoint (jax.remat) around a lookup of a "
         "SparseTable is not supported (JAX's remat of hijax types fails). Keep the "
         "lookup outside the checkpointed function (checkpoint what consumes the "
-        "rows), or " + _DEFAULT_PATH[0].lower() + _DEFAULT_PATH[1:]
+        "rows), or " + _DEFAULT_PATH[0].lower() + _DEFAULT_PATH[1:],
     )
 
 
 # Per backward pass: slots already accumulated into each table's accumulator.
 _TALLY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# Gradient values (concrete or traced) whose slot count is known at trace time,
+# by id with a weak reference (tracers are not hashable). A value not found here
+# (the carry out of a scan, a cond's output, a vmapped result) is checked at run
+# time instead; losing an entry only costs that check, never correctness.
+_STATIC_COUNT: dict[int, tuple[Any, int]] = {}
+
+
+def _remember_count(x: Any, count: int) -> Any:
+    key = id(x)
+    try:
+        ref = weakref.ref(x, lambda _: _STATIC_COUNT.pop(key, None))
+    except TypeError:
+        return x
+    _STATIC_COUNT[key] = (ref, count)
+    return x
+
+
+def _static_count(x: Any) -> int | None:
+    entry = _STATIC_COUNT.get(id(x))
+    if entry is None or entry[0]() is not x:
+        return None
+    return entry[1]
 
 
 def _check_slots(needed: int, ty: SparseTableType, what: str) -> None:
@@ -527,7 +563,8 @@ def _slots_from_rows(g: Any, ids: Any, ty: SparseTableType) -> Any:
     pad = cap - n
     values = jnp.concatenate([values, jnp.zeros((pad,) + row, ty.dtype)])
     flat = jnp.concatenate([flat, jnp.full((pad,), num_rows, idt)])
-    return _make(values, flat, jnp.asarray(n, jnp.int32), ty.dense_shape, cap)
+    out = _make(values, flat, jnp.asarray(n, jnp.int32), ty.dense_shape, cap)
+    return _remember_count(out, n)
 
 
 def _vectorize(f: Any, batch_ndim: int) -> Any:
@@ -770,6 +807,9 @@ def _unpack_checked(x: Any, check: bool = True) -> tuple[Any, Any, Any, RowSpars
     if not isinstance(ty, RowSparseType):
         raise TypeError(f"jaxslices.native: expected a RowSparse gradient, got {ty}.")
     values, indices, count = _unpack(x)
+    known = _static_count(x)
+    if known is not None and known <= ty.capacity:
+        check = False  # the count is known at trace time: no run-time check
     if check:
         if isinstance(count, jax.core.Tracer):
             jax.debug.callback(_raise_overflow, jnp.max(count), ty.capacity)

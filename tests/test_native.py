@@ -548,3 +548,16 @@ def test_optax_chain_with_native_gradients():
     u1, _ = tx.update(g_native, state, params)
     u2, _ = tx.update(g_wrapper, state, params)
     assert_close(js.to_dense(u1)["emb"], js.to_dense(u2)["emb"])
+
+
+def test_run_time_capacity_check_only_where_shapes_do_not_decide():
+    table, ids = random_case(25, ids_shape=(4, 2))
+
+    def grads(loss):
+        def f(x, i):
+            return native.to_indexed_slices(jax.grad(loss)(native.mark(x, i.size), i))
+
+        return str(jax.make_jaxpr(f)(table, ids))
+
+    assert "callback" not in grads(sq_loss(native.lookup))  # checked when traced
+    assert "callback" in grads(rnn_loss(native.lookup))  # scan: checked when run
