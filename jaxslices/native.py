@@ -49,6 +49,7 @@ the type. This module needs JAX >= 0.10.2 and < 0.12 (see
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from typing import Any
 
@@ -235,7 +236,14 @@ class RowSparseType(_hijax.HiType):
 
     def vspace_add(self, x: Any, y: Any) -> Any:
         nx, ny = _static_count(x), _static_count(y)
-        out = _Add(self)(x, y)
+        if ny is None and nx is not None:  # slot order does not matter
+            x, y, nx, ny = y, x, ny, nx
+        if ny is not None and ny > self.capacity:
+            ny = None  # (cannot happen: every counted value fits)
+        # With y's slot count known at trace time (e.g. one scan step's lookups
+        # added to the gradient carried through the loop), only its first `ny`
+        # slots are copied: O(ny) per add instead of O(capacity).
+        out = _Add(self, ny)(x, y)
         if nx is None or ny is None:
             return out
         if nx + ny > self.capacity:
@@ -655,17 +663,19 @@ def _combine(dense_shape, cap, xv, xi, xc, yv, yi, yc):
 class _Add(_hijax.VJPHiPrimitive):
     """RowSparse + RowSparse: the slots of both (the count adds up)."""
 
-    def __init__(self, ty: RowSparseType):
+    def __init__(self, ty: RowSparseType, y_slots: int | None = None):
         self.in_avals = (ty, ty)
         self.out_aval = ty
-        self.params = dict(ty=ty)
+        self.params = dict(ty=ty, y_slots=y_slots)
         super().__init__()
 
     def expand(self, x, y):
-        ty = self.out_aval
-        f = _vectorize(
-            lambda *a: _combine(ty.dense_shape, ty.capacity, *a), len(ty.batch_shape)
-        )
+        ty, y_slots = self.out_aval, self.params["y_slots"]
+        if y_slots is None:
+            combine = functools.partial(_combine, ty.dense_shape, ty.capacity)
+        else:
+            combine = functools.partial(_append, ty.capacity, y_slots)
+        f = _vectorize(combine, len(ty.batch_shape))
         v, i, c = f(x.values, x.indices, x.count, y.values, y.indices, y.count)
         return RowSparse(v, i, c, ty.dense_shape, ty.capacity)
 
@@ -675,7 +685,21 @@ class _Add(_hijax.VJPHiPrimitive):
             _broadcast(a, size) if d is None else a
             for a, d in zip(args, dims, strict=True)
         ]
-        return _Add(jax.typeof(args[0]))(*args), 0
+        return _Add(jax.typeof(args[0]), self.params["y_slots"])(*args), 0
+
+
+def _append(cap, y_slots, xv, xi, xc, yv, yi, yc):
+    """Like ``_combine`` when only y's first ``y_slots`` slots can be in use.
+
+    On overflow (``xc + y_slots > cap``) the update is clamped and overwrites
+    some of x's slots; the count still says so, and reading the gradient raises.
+    """
+    if y_slots == 0:
+        return xv, xi, xc + yc
+    start = jnp.clip(xc, 0, cap - y_slots)
+    values = jax.lax.dynamic_update_slice_in_dim(xv, yv[:y_slots], start, 0)
+    indices = jax.lax.dynamic_update_slice_in_dim(xi, yi[:y_slots], start, 0)
+    return values, indices, xc + yc
 
 
 def _broadcast(x: Any, size: int) -> Any:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -561,3 +563,70 @@ def test_run_time_capacity_check_only_where_shapes_do_not_decide():
 
     assert "callback" not in grads(sq_loss(native.lookup))  # checked when traced
     assert "callback" in grads(rnn_loss(native.lookup))  # scan: checked when run
+
+
+def test_lookups_inside_and_outside_scan_together():
+    # Slots from scan steps (added at run time) and from top-level lookups
+    # (counted at trace time) in one gradient; capacity exactly enough.
+    table, ids = random_case(26, ids_shape=(3, 2))
+    extra = jnp.array([0, 5, 5, -1])
+
+    def loss(lookup):
+        def f(t, i):
+            return rnn_loss(lookup)(t, i) + jnp.sum(lookup(t, extra) ** 2)
+
+        return f
+
+    dense = jax.grad(loss(plain_lookup))(table, ids)
+    grads = jax.jit(
+        lambda x, i: native.to_indexed_slices(
+            jax.grad(loss(native.lookup))(native.mark(x, ids.size + 4), i)
+        )
+    )
+    assert_close(grads(table, ids).to_dense(), dense)
+    too_small = jax.jit(
+        lambda x, i: native.to_indexed_slices(
+            jax.grad(loss(native.lookup))(native.mark(x, ids.size + 3), i)
+        )
+    )
+    with pytest.raises(Exception, match=r"needed 10 row slots but its capacity is 9"):
+        jax.block_until_ready(too_small(table, ids))
+
+
+def test_unused_marked_table_gets_an_empty_gradient():
+    table, ids = random_case(27)
+    g = jax.grad(lambda t, w: jnp.sum(w**2), argnums=(0, 1))(
+        native.mark(table, 3), jnp.ones(2)
+    )[0]
+    s = native.to_indexed_slices(g)
+    assert np.all(np.asarray(s.indices) == table.shape[0])
+    assert np.all(np.asarray(s.to_dense()) == 0)
+
+
+@hypothesis.settings(max_examples=8, deadline=None)
+@hypothesis.given(
+    num_rows=st.integers(1, 9),
+    ids_len=st.integers(1, 7),
+    spare=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_random_ids_and_capacities(num_rows, ids_len, spare, seed):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    table = jax.random.normal(k1, (num_rows, 2))
+    ids = jax.random.randint(k2, (ids_len,), -2, num_rows + 2)
+    dense = jax.grad(sq_loss(plain_lookup))(table, ids)
+    g = jax.grad(sq_loss(native.lookup))(native.mark(table, ids_len + spare), ids)
+    assert_close(native.to_indexed_slices(g).to_dense(), dense)
+
+
+def test_native_scan_bench_smoke(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    sys.modules.pop("native_scan_bench", None)
+    import native_scan_bench
+
+    report = native_scan_bench.main(
+        num_rows=(64,), seq_lens=(3,), batch=4, dim=8, steps=1, passes=1, out=None
+    )
+    assert [r["path"] for r in report["rows"]] == list(native_scan_bench.PATHS)
+    temp = {r["path"]: r["temp_bytes"] for r in report["rows"]}
+    assert temp["native"] <= temp["dense"]
