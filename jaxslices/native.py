@@ -88,6 +88,20 @@ def _index_dtype(num_rows: int) -> Any:
     return jnp.int32 if num_rows < np.iinfo(np.int32).max else jnp.int64
 
 
+def _safe_ids(ids: Any, num_rows: int) -> Any:
+    """Ids as the index dtype, invalid ones (< 0 or >= V) replaced by ``V``.
+
+    Range-checked in the ids' own dtype before narrowing, so that a large
+    int64 id cannot wrap into a valid row.
+    """
+    info = jnp.iinfo(ids.dtype)
+    valid = ids >= 0
+    if num_rows <= info.max:
+        valid = valid & (ids < num_rows)
+    idt = _index_dtype(num_rows)
+    return jnp.where(valid, ids.astype(idt), jnp.asarray(num_rows, idt))
+
+
 def _dense_read_error(*_: Any, **__: Any) -> Any:
     raise NativeBackendError(
         "A jaxslices.native.SparseTable can only be read through "
@@ -474,8 +488,7 @@ class _Lookup(_hijax.VJPHiPrimitive):
 
     def expand(self, table, ids):
         num_rows = table.table.shape[0]
-        ids = ids.astype(_index_dtype(num_rows))
-        safe = jnp.where((ids >= 0) & (ids < num_rows), ids, num_rows)
+        safe = _safe_ids(ids, num_rows)
         return table.table.at[safe].get(mode="fill", fill_value=0)
 
     def vjp_fwd(self, nzs_in, table, ids):
@@ -563,9 +576,8 @@ def _slots_from_rows(g: Any, ids: Any, ty: SparseTableType) -> Any:
     num_rows, row, cap = ty.dense_shape[0], ty.dense_shape[1:], ty.capacity
     n = ids.size
     idt = _index_dtype(num_rows)
-    flat = ids.reshape(-1).astype(idt)
-    valid = (flat >= 0) & (flat < num_rows)
-    flat = jnp.where(valid, flat, num_rows)
+    flat = _safe_ids(ids.reshape(-1), num_rows)
+    valid = flat < num_rows
     values = g.reshape((n,) + row).astype(ty.dtype)
     values = jnp.where(valid.reshape((n,) + (1,) * len(row)), values, 0)
     pad = cap - n

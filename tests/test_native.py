@@ -630,3 +630,35 @@ def test_native_scan_bench_smoke(tmp_path, monkeypatch):
     assert [r["path"] for r in report["rows"]] == list(native_scan_bench.PATHS)
     temp = {r["path"]: r["temp_bytes"] for r in report["rows"]}
     assert temp["native"] <= temp["dense"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.int16, jnp.uint32])
+def test_ids_of_every_integer_dtype(dtype):
+    table = jax.random.normal(jax.random.key(28), (300, 2))
+    top = min(255, int(jnp.iinfo(dtype).max))  # an id near the dtype's limit
+    ids = jnp.array([0, 7, 7, top, 100], dtype)
+    if jnp.issubdtype(dtype, jnp.signedinteger):
+        ids = ids.at[1].set(-1)
+    dense = jax.grad(sq_loss(plain_lookup))(table, ids.astype(jnp.int32))
+    g = jax.grad(sq_loss(native.lookup))(native.mark(table, 5), ids)
+    assert_close(g.to_dense(), dense)
+
+
+def test_large_int64_ids_are_range_checked_before_narrowing():
+    # 2**32 + 1 would wrap to row 1 if narrowed to int32 before the check.
+    code = (
+        "import jax, jax.numpy as jnp; from jaxslices import native\n"
+        "t = native.mark(jnp.ones((10, 2)), capacity=2)\n"
+        "ids = jnp.array([2**32 + 1, 3], jnp.int64)\n"
+        "assert ids.dtype == jnp.int64\n"
+        "assert float(native.lookup(t, ids)[0].sum()) == 0.0\n"
+        "g = jax.grad(lambda t: native.lookup(t, ids).sum())(t).to_indexed_slices()\n"
+        "assert g.indices.tolist() == [10, 3], g.indices\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "JAX_PLATFORMS": "cpu",
+        "JAX_ENABLE_X64": "1",
+    }
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
