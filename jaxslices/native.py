@@ -37,13 +37,14 @@ lookups added in one backward pass), otherwise (``scan``) when the gradient is
 read by :func:`to_indexed_slices` / :meth:`RowSparse.to_dense` (a
 ``jax.debug.callback`` under ``jit``, like :func:`jaxslices.check_ids`).
 
-Not supported (each raises an error naming the limit): reading a marked table
-other than through :func:`lookup` (e.g. ``table @ x``, tied output
-embeddings: use the default backend), ``jax.checkpoint`` around a lookup,
-``vmap`` over a batch of tables, forward-mode AD (``jax.jvp``), shardings on
-the type. This module needs JAX >= 0.10.2 and < 0.12 (see
-``jaxslices/_hijax.py``); importing it on another JAX raises
-:class:`~jaxslices._hijax.UnsupportedJaxError`.
+Not supported, each raising a :class:`NativeBackendError` that names the
+limit and the default backend: reading a marked table other than through
+:func:`lookup` (e.g. ``table @ x``, tied output embeddings), ``jax.checkpoint``
+around a lookup, forward-mode AD (``jax.jvp``), ``vmap`` over a batch of
+tables. Shardings are not modelled on the types (no ``shard_map``/explicit
+sharding support; JAX raises its own error). This module needs JAX >= 0.10.2
+and < 0.12 (see ``jaxslices/_hijax.py``); importing it on another JAX raises
+``UnsupportedJaxError`` (an ``ImportError``) naming the default backend.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from .slices import IndexedSlices
 _hijax.require()
 
 __all__ = [
+    "NativeBackendError",
     "RowSparse",
     "RowSparseType",
     "SparseTable",
