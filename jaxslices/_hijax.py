@@ -16,6 +16,12 @@ papers over the differences we know of:
 * Both: ``lax.cond`` reads a ``mat`` (manual-axis type) attribute from every
   branch output type; hi types have none, so we provide JAX's empty one
   (``jax._src.core.empty_mat``).
+* ``jax.checkpoint`` differentiates through ``jvp`` by default on both (our
+  forward-mode error); under ``jax_remat3`` (0.11) it calls the remat hook,
+  which raises the same kind of error (JAX's own remat of these types fails).
+
+``tests/test_native.py`` passes on JAX 0.10.2 (Python 3.11) and on JAX 0.11.0
+(Python 3.12, CPU, with flax 0.12.8 and equinox 0.13.8).
 
 On any other JAX, :func:`require` raises :class:`UnsupportedJaxError` naming
 the versions that are known to work and the default path
