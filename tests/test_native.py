@@ -667,3 +667,14 @@ def test_large_int64_ids_are_range_checked_before_narrowing():
         "JAX_ENABLE_X64": "1",
     }
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
+
+
+def test_wrapper_on_a_marked_table_leaves_it_to_jax():
+    # jaxslices.value_and_grad sees no tapped lookup (the marked table dispatches
+    # to the native lookup) and defers to jax.value_and_grad: a RowSparse.
+    table, ids = random_case(29, ids_shape=(4,))
+    loss = lambda p: sq_loss(js.embedding_lookup)(p["e"], ids) + jnp.sum(p["w"])  # noqa: E731
+    _, g = js.value_and_grad(loss)({"e": native.mark(table, 4), "w": jnp.ones(2)})
+    assert native.is_row_sparse(g["e"])
+    assert_close(g["e"].to_dense(), jax.grad(sq_loss(plain_lookup))(table, ids))
+    assert_close(g["w"], jnp.ones(2))
