@@ -9,6 +9,8 @@ in place, so a step costs what the batch touches, not what the table holds.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .accumulate import MultiSteps as MultiSteps
+from .accumulate import MultiStepsState as MultiStepsState
 from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
 from .embedding import check_ids as check_ids
@@ -40,6 +42,11 @@ from .transforms import scale_by_rss as scale_by_rss
 from .transforms import scale_by_schedule as scale_by_schedule
 from .transforms import sgd as sgd
 from .transforms import trace as trace
+from .tree import tree_add as tree_add
+from .tree import tree_map_values as tree_map_values
+from .tree import tree_pmean as tree_pmean
+from .tree import tree_psum as tree_psum
+from .tree import tree_scale as tree_scale
 from .updates import apply_updates as apply_updates
 
 
@@ -60,6 +67,8 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "IndexedSlices",
+    "MultiSteps",
+    "MultiStepsState",
     "check_ids",
     "embedding_bag",
     "embedding_lookup",
@@ -75,6 +84,11 @@ __all__ = [
     "scatter_update",
     "sparse_mask",
     "to_dense",
+    "tree_add",
+    "tree_map_values",
+    "tree_pmean",
+    "tree_psum",
+    "tree_scale",
     "apply_updates",
     "add_decayed_weights",
     "adagrad",

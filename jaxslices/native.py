@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _hijax
+from . import _backend, _hijax
 from .slices import IndexedSlices
 
 _hijax.require()
@@ -179,11 +179,6 @@ class SparseTableType(_hijax.HiType):
 
 
 _add_dense_read_errors(SparseTableType)
-# jaxslices.embedding_lookup / embedding_bag dispatch a marked table (concrete,
-# or a tracer, which forwards attribute reads to its type) here.
-SparseTableType._jaxslices_native_lookup = staticmethod(
-    lambda table, ids, dtype=None: lookup(table, ids, dtype=dtype)
-)
 SparseTableType.__jax_array__ = _hijax.aval_method(_dense_read_error)
 
 
@@ -341,10 +336,6 @@ class SparseTable:
 
     def __jax_array__(self) -> Any:
         _dense_read_error()
-
-    @staticmethod
-    def _jaxslices_native_lookup(table: Any, ids: Any, dtype: Any = None) -> Any:
-        return lookup(table, ids, dtype=dtype)
 
     __getitem__ = _dense_read_error
     __add__ = __radd__ = __sub__ = __rsub__ = _dense_read_error
@@ -891,3 +882,22 @@ def to_indexed_slices(tree: Any) -> Any:
         return IndexedSlices(values, indices, ty.dense_shape)
 
     return jax.tree.map(convert, tree, is_leaf=is_row_sparse)
+
+
+# jaxslices.embedding_lookup / embedding_bag hand marked tables to this backend
+# (after their own ids checks; the ids arrive in [0, V], V being padding).
+def _claims(table: Any) -> bool:
+    try:
+        return is_marked(table)
+    except Exception:  # never raise for a table that is not ours
+        return False
+
+
+_backend.register_lookup_handler(
+    _backend.LookupHandler(
+        name="jaxslices.native",
+        claims=_claims,
+        num_rows=lambda table: jax.typeof(table).dense_shape[0],
+        lookup=_lookup,
+    )
+)

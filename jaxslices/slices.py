@@ -18,6 +18,15 @@ Conventions (see ``docs/design.md``):
   scatter here masks them first, so no row is ever written that was not asked
   for. ``check_ids=True`` on the lookups (or ``jaxslices.check_ids``) raises on
   out-of-range ids instead (opt-in).
+* **Typed indices.** The ``indices`` pytree child is not a plain integer array
+  but the ids wrapped in an extended dtype (``key<IndexedSlices.indices: ...>``,
+  see :mod:`jaxslices._typed_indices`), so generic pytree arithmetic
+  (``jax.tree.map(jnp.add, g1, g2)``, ``2 * g``, ``lax.psum``,
+  ``optax.global_norm``, stock Optax) raises a ``TypeError`` naming
+  ``IndexedSlices`` and the jaxslices way instead of silently changing which
+  rows are updated. ``s.indices`` returns the plain int32 (or int64) ids; the
+  unwrapping compiles to nothing. Code that builds an ``IndexedSlices`` without
+  the constructor goes through ``_build``.
 * **Static shapes.** ``dense_shape`` is a tuple of Python ints, part of the
   pytree's static aux data; ``values`` and ``indices`` are the children.
 """
@@ -31,6 +40,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from . import _typed_indices
 
 __all__ = [
     "IndexedSlices",
@@ -94,14 +105,36 @@ def _check_dense_shape(dense_shape: Any) -> tuple[int, ...]:
 def _check_integer_indices(indices: Any, where: str) -> None:
     dtype = indices.dtype
     if not jnp.issubdtype(dtype, jnp.integer):
+        name = getattr(dtype, "name", str(dtype))
         raise TypeError(
             f"{where}: `indices` must have an integer dtype, got "
-            f"{jnp.dtype(dtype).name}{list(indices.shape)}. {_CORRUPTED_INDICES_HINT}"
+            f"{name}{list(indices.shape)}. {_CORRUPTED_INDICES_HINT}"
+        )
+
+
+class _IndexedSlicesType(type):
+    """Metaclass whose only job is the class's repr in other libraries' errors.
+
+    Generic pytree code that assumes dense gradients (``optax.MultiSteps``
+    keeps a dense accumulator per parameter, ``optax.adam`` dense moments)
+    fails on an ``IndexedSlices`` with JAX's "pytree structure error ...
+    subtree of type <class ...>"; this repr makes that message say what to use.
+    """
+
+    def __repr__(cls) -> str:
+        if cls.__name__ != "IndexedSlices":
+            return super().__repr__()
+        return (
+            "<class 'jaxslices.IndexedSlices'> (a sparse gradient; code that "
+            "expects a dense array there cannot take it: use jaxslices.MultiSteps "
+            "for gradient accumulation, jaxslices.tree_add/tree_scale/tree_psum "
+            "for tree arithmetic, jaxslices transforms for optimizers, or "
+            "jaxslices.to_dense)"
         )
 
 
 @jax.tree_util.register_pytree_with_keys_class
-class IndexedSlices:
+class IndexedSlices(metaclass=_IndexedSlicesType):
     """Row-sparse representation of a dense array: rows ``values`` at ``indices``.
 
     Represents ``jnp.zeros(dense_shape).at[indices].add(values)``. Duplicate
@@ -131,20 +164,22 @@ class IndexedSlices:
              [0., 0.]], dtype=float32)
     """
 
-    __slots__ = ("values", "indices", "dense_shape")
+    __slots__ = ("values", "_indices", "dense_shape")
     __hash__ = None  # type: ignore[assignment]
     # Make NumPy defer to our reflected operators (np.ndarray + IndexedSlices).
     __array_ufunc__ = None
 
     values: jax.Array
-    indices: jax.Array
+    _indices: Any  # typed indices (see _typed_indices), the pytree child
     dense_shape: tuple[int, ...]
 
     def __init__(self, values: Any, indices: Any, dense_shape: Sequence[int]):
         dense_shape = _check_dense_shape(dense_shape)
         values = _as_array(values, "values")
         indices = _as_array(indices, "indices")
-        _check_integer_indices(indices, "IndexedSlices")
+        typed = _typed_indices.is_typed(indices)
+        if not typed:
+            _check_integer_indices(indices, "IndexedSlices")
         if indices.ndim != 1:
             raise ValueError(
                 "IndexedSlices: `indices` must be 1-D (one row index per slice), "
@@ -164,37 +199,47 @@ class IndexedSlices:
                 f"{tuple(values.shape)} (rows of shape {tuple(values.shape[1:])}) "
                 f"for dense_shape {dense_shape}."
             )
-        if dense_shape[0] > jnp.iinfo(indices.dtype).max:
+        plain = _typed_indices.unwrap(indices) if typed else indices
+        if dense_shape[0] > jnp.iinfo(plain.dtype).max:
             raise ValueError(
-                f"IndexedSlices: indices of dtype {jnp.dtype(indices.dtype).name} "
+                f"IndexedSlices: indices of dtype {jnp.dtype(plain.dtype).name} "
                 f"cannot hold the padding index dense_shape[0] = {dense_shape[0]}; "
                 "use a wider integer dtype such as int32."
             )
+        if not typed:
+            indices = _typed_indices.wrap(indices, dense_shape[0])
         self.values = values
-        self.indices = indices
+        self._indices = indices
         self.dense_shape = dense_shape
 
     # -- pytree ---------------------------------------------------------------
     def tree_flatten_with_keys(self):
         children = (
             (jax.tree_util.GetAttrKey("values"), self.values),
-            (jax.tree_util.GetAttrKey("indices"), self.indices),
+            (jax.tree_util.GetAttrKey("indices"), self._indices),
         )
         return children, self.dense_shape
 
     def tree_flatten(self):
-        return (self.values, self.indices), self.dense_shape
+        return (self.values, self._indices), self.dense_shape
 
     @classmethod
     def tree_unflatten(cls, dense_shape, children):
         # No validation: JAX unflattens with placeholder leaves (object(), None,
         # batching sentinels), see the JAX docs on custom pytrees.
-        obj = object.__new__(cls)
-        obj.values, obj.indices = children
-        obj.dense_shape = dense_shape
-        return obj
+        values, indices = children
+        return _build(values, indices, dense_shape)
 
     # -- properties -----------------------------------------------------------
+    @property
+    def indices(self) -> jax.Array:
+        """The row ids, a plain int32 (or int64) array ``[N]``.
+
+        The pytree child is the typed form (see the module docstring); this
+        unwraps it, which compiles to nothing under ``jit``.
+        """
+        return _typed_indices.unwrap(self._indices)
+
     @property
     def shape(self) -> tuple[int, ...]:
         """The dense shape (like ``to_dense().shape``)."""
@@ -218,7 +263,7 @@ class IndexedSlices:
     @property
     def num_slices(self) -> int:
         """Number of slots ``N`` (static), padding slots included."""
-        return self.indices.shape[0]
+        return self._indices.shape[0]
 
     @property
     def row_shape(self) -> tuple[int, ...]:
@@ -233,7 +278,7 @@ class IndexedSlices:
     def __repr__(self) -> str:
         try:
             dtype = jnp.dtype(self.values.dtype).name
-            rows = self.indices.shape[0]
+            rows = self._indices.shape[0]
         except AttributeError:  # placeholder leaves
             return f"IndexedSlices(<{type(self.values).__name__}>, {self.dense_shape})"
         dims = ", ".join(str(d) for d in self.dense_shape)
@@ -316,10 +361,20 @@ def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
         return False
 
 
-def _replace_values(s: IndexedSlices, values: jax.Array) -> IndexedSlices:
+def _build(values: Any, typed_indices: Any, dense_shape: tuple[int, ...]):
+    """The one way to make an IndexedSlices without the constructor.
+
+    No validation and no wrapping: ``typed_indices`` is an existing typed
+    indices child (or a placeholder leaf during unflattening).
+    """
     out = object.__new__(IndexedSlices)
-    out.values, out.indices, out.dense_shape = values, s.indices, s.dense_shape
+    out.values, out._indices, out.dense_shape = values, typed_indices, dense_shape
     return out
+
+
+def _replace_values(s: IndexedSlices, values: jax.Array) -> IndexedSlices:
+    """``s`` with new ``values`` (same indices, same dense shape)."""
+    return _build(values, s._indices, s.dense_shape)
 
 
 def _dense_operand(x: Any, s: IndexedSlices, opname: str) -> jax.Array:
@@ -348,7 +403,10 @@ def check_slices(s: Any, where: str) -> IndexedSlices:
     """Trace-time guard for entry points that consume slices (free under jit)."""
     if not isinstance(s, IndexedSlices):
         raise TypeError(f"{where}: expected an IndexedSlices, got {type(s).__name__}.")
-    _check_integer_indices(s.indices, where)
+    if not _typed_indices.is_typed(s._indices):
+        # Rebuilt by tree_unflatten from leaves that were not typed indices.
+        _check_integer_indices(s._indices, where)
+        s.indices  # noqa: B018 - raises the "rebuilt from plain leaves" error
     return s
 
 

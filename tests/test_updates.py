@@ -158,7 +158,10 @@ def test_tree_mismatch_names_the_leaf():
 
 def test_float_indices_are_refused_with_the_hint():
     s = IndexedSlices(jnp.ones((2, 2)), jnp.array([0, 1]), (3, 2))
-    corrupted = jax.tree.map(lambda x: 0.5 * x, s)  # what optax.scale does
+    # What optax.scale did to plain indices (typed indices now make it raise).
+    corrupted = jax.tree.unflatten(
+        jax.tree.structure(s), [0.5 * s.values, 0.5 * s.indices]
+    )
     with pytest.raises(
         TypeError,
         match=r"jaxslices\.apply_updates \(leaf \['emb'\]\): `indices` must have an "

@@ -1,0 +1,225 @@
+"""How ``IndexedSlices`` stores its indices: an array arithmetic cannot change.
+
+A gradient tree is a pytree, and generic code maps over every leaf:
+``jax.tree.map(jnp.add, g1, g2)``, ``2 * g``, ``lax.psum``, ``optax.global_norm``,
+stock Optax transforms. Over plain integer indices each of these silently
+changes which rows an update lands on. So the ``indices`` child of an
+``IndexedSlices`` is not an integer array but a *typed* one: the integer ids
+bit-cast to ``uint32`` words and wrapped (:func:`jax.random.wrap_key_data`) in an
+extended dtype registered with :func:`jax.extend.random.define_prng_impl`. JAX
+refuses arithmetic, reductions, collectives and casts on extended dtypes, and
+its error prints the dtype as ``key<TAG>``: the tag below names
+``IndexedSlices`` and the jaxslices way to do it. Indexing, concatenation,
+``jnp.where``, ``jit``/``scan``/``vmap``/``device_put``/pickling pass it
+through unchanged. ``IndexedSlices.indices`` unwraps it again, which compiles to
+nothing (``random_unwrap`` + bit casts; checked in tests on the compiled HLO).
+
+Layout: ids that fit in int32 (every dense shape with fewer than ``2**31 - 1``
+rows) are one ``uint32`` word per id (``key_shape=(1,)``); int64 ids, needed
+only when ``dense_shape[0]`` does not fit in int32 (``jax_enable_x64``), are two
+words (``key_shape=(2,)``). Bit casts keep negative (invalid) ids negative, so
+their meaning (treated like padding) is unchanged.
+
+Eagerly, a few array methods that JAX declares abstract on key arrays (``.real``,
+``.astype``, ``.conj``, ``.sum``, ... which ``optax.global_norm`` and mixed
+precision casts call) raise ``NotImplementedError: Cannot call abstract method``,
+which does not name ``IndexedSlices``. :func:`_install_messages` replaces those
+methods on JAX's key-array class by ones that raise a ``TypeError`` naming
+``IndexedSlices`` and the fix *for jaxslices indices only* and call JAX's own
+method for every other key. That class is private to JAX, so this is the one
+place jaxslices touches it: found as ``type(`` of a wrapped array ``)``, applied
+only for JAX versions known to have that layout (0.5.3 up to 0.11), and skipped
+(JAX's message stays) otherwise. Under ``jit`` no patch is needed: traced key
+arrays raise ``TypeError`` with the tag.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.random import define_prng_impl
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+#: Printed by JAX as ``key<TAG>`` in every dtype error on the indices leaf.
+TAG = (
+    "IndexedSlices.indices, row ids, not numbers: use jaxslices.tree_add, "
+    "jaxslices.tree_scale, jaxslices.tree_psum, jaxslices.global_norm, "
+    "jaxslices.scale, jaxslices.sgd or other jaxslices transforms"
+)
+
+FIX = (
+    "Generic pytree code (jax.tree.map over a gradient tree, lax.psum, "
+    "optax.global_norm, stock Optax transforms such as optax.sgd or optax.scale) "
+    "maps over the `indices` of an IndexedSlices as if they were numbers, which "
+    "would silently change the rows an update lands on. Use the jaxslices "
+    "operations instead: jaxslices.tree_add (accumulate), jaxslices.tree_scale, "
+    "jaxslices.tree_psum / jaxslices.tree_pmean (cross-device), "
+    "jaxslices.global_norm (norm), jaxslices.MultiSteps (gradient accumulation), "
+    "jaxslices.tree_map_values (any function of the values), the jaxslices "
+    "transforms (jaxslices.sgd, jaxslices.scale, jaxslices.clip_by_global_norm, "
+    "jaxslices.adagrad, jaxslices.lazy_adam, ...), or route the sparse leaves "
+    "away from stock Optax with optax.multi_transform. `s.indices` gives the "
+    "plain integer ids."
+)
+
+
+def _not_a_prng(*args: Any, **kwargs: Any) -> Any:
+    del args, kwargs
+    raise TypeError(
+        "This array holds the indices of a jaxslices.IndexedSlices, not a PRNG key; "
+        "it cannot seed, split or draw random bits. " + FIX
+    )
+
+
+def _define(words: int, bits: int) -> Any:
+    return define_prng_impl(
+        key_shape=(words,),
+        seed=_not_a_prng,
+        split=_not_a_prng,
+        random_bits=_not_a_prng,
+        fold_in=_not_a_prng,
+        name=f"jaxslices_indices_int{bits}",
+        tag=TAG,
+    )
+
+
+IMPL32 = _define(1, 32)
+IMPL64 = _define(2, 64)
+DTYPE32 = jax.eval_shape(
+    lambda: jax.random.wrap_key_data(jnp.zeros((0, 1), jnp.uint32), impl=IMPL32)
+).dtype
+DTYPE64 = jax.eval_shape(
+    lambda: jax.random.wrap_key_data(jnp.zeros((0, 2), jnp.uint32), impl=IMPL64)
+).dtype
+
+
+def is_typed(x: Any) -> bool:
+    """``True`` for an array (or ShapeDtypeStruct) holding wrapped indices."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jax.dtypes.extended):
+        return False
+    return dtype == DTYPE32 or dtype == DTYPE64
+
+
+def wrap(indices: Any, num_rows: int) -> Any:
+    """Integer ids ``[..., N]`` -> typed indices ``[..., N]`` (no copy under jit).
+
+    ids of at most 32 bits become int32 (uint32 bit-cast: ids >= 2**31 turn
+    negative, i.e. stay invalid). 64-bit ids stay 64-bit when ``num_rows`` needs
+    it; otherwise they are narrowed to int32 after mapping every id outside
+    ``[0, num_rows]`` to -1, so no out-of-range id can wrap into a valid row.
+    """
+    dtype = jnp.dtype(indices.dtype)
+    wide = dtype.itemsize == 8 and num_rows > INT32_MAX
+    if isinstance(indices, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(
+            indices.shape, DTYPE64 if wide else DTYPE32, sharding=indices.sharding
+        )
+    if wide:
+        ids = indices
+        if dtype != jnp.int64:
+            ids = jax.lax.bitcast_convert_type(ids, jnp.int64)
+        words = jax.lax.bitcast_convert_type(ids, jnp.uint32)  # [..., N, 2]
+        return jax.random.wrap_key_data(words, impl=IMPL64)
+    if dtype.itemsize == 8:
+        ok = (indices >= 0) & (indices <= num_rows)
+        ids = jnp.where(ok, indices, -1).astype(jnp.int32)
+    elif dtype == jnp.uint32:
+        ids = jax.lax.bitcast_convert_type(indices, jnp.int32)
+    elif dtype != jnp.int32:
+        ids = indices.astype(jnp.int32)  # narrower ints: value-preserving
+    else:
+        ids = indices
+    words = jax.lax.bitcast_convert_type(ids, jnp.uint32)
+    return jax.random.wrap_key_data(words[..., None], impl=IMPL32)
+
+
+def unwrap(typed: Any) -> Any:
+    """Typed indices -> the plain integer ids (int32 or int64). Free under jit."""
+    if isinstance(typed, jax.ShapeDtypeStruct) and is_typed(typed):
+        int_dtype = jnp.int32 if typed.dtype == DTYPE32 else jnp.int64
+        return jax.ShapeDtypeStruct(typed.shape, int_dtype, sharding=typed.sharding)
+    if not is_typed(typed):
+        raise TypeError(
+            "IndexedSlices: the `indices` child of this IndexedSlices is a "
+            f"{type(typed).__name__} of dtype {getattr(typed, 'dtype', None)}, not "
+            "the typed indices jaxslices stores. It was probably rebuilt with "
+            "jax.tree.unflatten / jax.tree.map from leaves that did not come from "
+            "an IndexedSlices. Build it with IndexedSlices(values, indices, "
+            "dense_shape) from plain integer indices instead."
+        )
+    words = jax.random.key_data(typed)
+    if typed.dtype == DTYPE32:
+        return jax.lax.bitcast_convert_type(
+            jax.lax.squeeze(words, (words.ndim - 1,)), jnp.int32
+        )
+    return jax.lax.bitcast_convert_type(words, jnp.int64)
+
+
+# ------------------------------------------------ eager error messages
+
+
+_KNOWN_JAX = ((0, 5, 3), (0, 12, 0))  # versions whose key-array class was checked
+
+
+def _jax_version() -> tuple[int, ...]:
+    parts = []
+    for p in jax.__version__.split(".")[:3]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _raising(name: str, original: Any) -> Any:
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        if is_typed(self):
+            raise TypeError(
+                f"`.{name}` of the indices of a jaxslices IndexedSlices "
+                f"(dtype key<{TAG}>): {FIX}"
+            )
+        return original(self, *args, **kwargs)
+
+    return method
+
+
+def _install_messages() -> bool:
+    """Make eager abstract methods on our key arrays name IndexedSlices.
+
+    Returns whether the messages were installed (``False`` on an unknown JAX
+    version or class layout: JAX's ``NotImplementedError`` then stays).
+    """
+    lo, hi = _KNOWN_JAX
+    if not lo <= _jax_version() < hi:
+        return False
+    try:
+        cls = type(wrap(np.zeros((0,), np.int32), 1))
+        if getattr(cls, "_jaxslices_messages", False):
+            return True
+        names = ["__array__"]
+        for name in dir(cls):
+            attr = inspect.getattr_static(cls, name)
+            fn = attr.fget if isinstance(attr, property) else attr
+            if getattr(fn, "__isabstractmethod__", False):
+                names.append(name)
+        for name in names:
+            attr = inspect.getattr_static(cls, name, None)
+            if attr is None:
+                continue
+            if isinstance(attr, property):
+                setattr(cls, name, property(_raising(name, attr.fget)))
+            elif callable(attr):
+                setattr(cls, name, _raising(name, attr))
+        cls._jaxslices_messages = True
+        return True
+    except Exception:  # noqa: BLE001 - never break `import jaxslices` over a message
+        return False
+
+
+MESSAGES_INSTALLED = _install_messages()

@@ -1,0 +1,273 @@
+"""Sparse-aware operations on gradient trees (pytrees with ``IndexedSlices`` leaves).
+
+Generic pytree code maps over the ``indices`` of an
+:class:`~jaxslices.IndexedSlices` as if they were numbers; jaxslices stores them
+in a typed form so that such code raises instead of silently changing which rows
+an update lands on (see ``docs/design.md``, "Generic tree operations"). These
+are the operations to use instead:
+
+=====================================  =====================================
+generic code (raises on slices)        jaxslices
+=====================================  =====================================
+``jax.tree.map(jnp.add, g1, g2)``      :func:`tree_add` ``(g1, g2)``
+``jax.tree.map(lambda g: c * g, g)``   :func:`tree_scale` ``(c, g)``
+``jax.tree.map(f, g)`` (on values)     :func:`tree_map_values` ``(f, g)``
+``optax.global_norm(g)``               :func:`jaxslices.global_norm` ``(g)``
+``jax.lax.psum(g, axis)``              :func:`tree_psum` ``(g, axis)``
+``jax.lax.pmean(g, axis)``             :func:`tree_pmean` ``(g, axis)``
+``optax.MultiSteps``                   :class:`jaxslices.MultiSteps`
+=====================================  =====================================
+
+Every function treats ``None`` and ``IndexedSlices`` as leaves; dense leaves
+get exactly the dense operation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import slices
+from .slices import IndexedSlices, _replace_values, check_slices
+
+__all__ = [
+    "tree_add",
+    "tree_scale",
+    "tree_map_values",
+    "tree_psum",
+    "tree_pmean",
+]
+
+AxisName = Hashable | Sequence[Hashable]
+
+
+def _is_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, IndexedSlices)
+
+
+def _where(name: str, path: Any) -> str:
+    return f"jaxslices.{name} (leaf {jax.tree_util.keystr(path) or '<root>'})"
+
+
+def tree_add(*trees: Any) -> Any:
+    """Add gradient trees leaf by leaf; slices concatenate, arrays add.
+
+    Two :class:`~jaxslices.IndexedSlices` of one dense shape concatenate (TF's
+    gradient aggregation: the result has the slots of both, so the sizes add
+    up; duplicates mean "sum"); arrays add; an array plus slices is the dense
+    array with the rows added (``x + s``). ``None`` plus ``None`` is ``None``.
+    The sum of the dense equivalents is exact: ``to_dense(tree_add(a, b)) ==
+    to_dense(a) + to_dense(b)``. Use it for manual gradient accumulation
+    (``jax.tree.map(jnp.add, g1, g2)`` raises on slices); for accumulation in a
+    fixed-size buffer see :class:`jaxslices.MultiSteps`.
+
+    Args:
+      *trees: one or more trees of the same structure (``None`` and
+        ``IndexedSlices`` count as leaves).
+
+    Returns:
+      The leafwise sum, same structure.
+
+    Raises:
+      ValueError: the trees differ in structure (the first differing leaf is
+        named) or two slices leaves differ in dense shape.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> from jaxslices import IndexedSlices
+      >>> g1 = {"emb": IndexedSlices(jnp.ones((1, 2)), jnp.array([0]), (3, 2)),
+      ...       "w": jnp.ones(2)}
+      >>> g2 = {"emb": IndexedSlices(jnp.ones((2, 2)), jnp.array([0, 2]), (3, 2)),
+      ...       "w": jnp.ones(2)}
+      >>> total = jaxslices.tree_add(g1, g2)
+      >>> total["emb"].indices, total["w"]
+      (Array([0, 0, 2], dtype=int32), Array([2., 2.], dtype=float32))
+    """
+    if not trees:
+        raise ValueError("jaxslices.tree_add: need at least one tree, got none.")
+    first = trees[0]
+    for i, t in enumerate(trees[1:], start=1):
+        slices._check_tree_match(
+            "jaxslices.tree_add", first, "trees[0]", t, f"trees[{i}]"
+        )
+
+    def leaf(path, *xs):
+        if all(x is None for x in xs):
+            return None
+        if any(x is None for x in xs):
+            raise ValueError(
+                f"{_where('tree_add', path)}: some trees have None here and some "
+                "do not; cannot add a gradient to a missing one."
+            )
+        parts = [x for x in xs if isinstance(x, IndexedSlices)]
+        dense = [x for x in xs if not isinstance(x, IndexedSlices)]
+        for p in parts:
+            check_slices(p, _where("tree_add", path))
+        if not dense:
+            return slices.concatenate(parts)
+        total = dense[0]
+        for d in dense[1:]:
+            total = total + d
+        for p in parts:
+            total = total + p  # dense + slices: scatter-add of the rows
+        return total
+
+    return jax.tree_util.tree_map_with_path(leaf, *trees, is_leaf=_is_leaf)
+
+
+def tree_map_values(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
+    """Apply ``fn`` to every dense leaf and to the ``values`` of every slices leaf.
+
+    The indices of slices leaves are kept. Only correct for functions that act
+    row by row with ``fn(0) == 0`` on the dense equivalent (scaling, casting,
+    clipping values): ``fn`` sees the slots, not the summed rows.
+
+    Args:
+      fn: array -> array, keeping the leading dimension.
+      tree: a gradient tree.
+
+    Returns:
+      The mapped tree (``None`` leaves stay ``None``).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> g = jaxslices.IndexedSlices(jnp.ones((2, 1)), jnp.array([1, 2]), (3, 1))
+      >>> half = jaxslices.tree_map_values(lambda v: v.astype(jnp.bfloat16), g)
+      >>> half.dtype, half.indices
+      (dtype(bfloat16), Array([1, 2], dtype=int32))
+    """
+
+    def leaf(path, g):
+        if g is None:
+            return None
+        if isinstance(g, IndexedSlices):
+            check_slices(g, _where("tree_map_values", path))
+            return _replace_values(g, fn(g.values))
+        return fn(g)
+
+    return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=_is_leaf)
+
+
+def tree_scale(scalar: Any, tree: Any) -> Any:
+    """Multiply every leaf by ``scalar``; slices scale their values only.
+
+    The sparse-aware ``jax.tree.map(lambda g: scalar * g, tree)`` (which raises
+    on slices): ``to_dense(tree_scale(c, g)) == c * to_dense(g)``. Like
+    :func:`optax.tree.scale`, the result keeps each leaf's dtype.
+
+    Args:
+      scalar: a scalar (Python number or 0-d array).
+      tree: a gradient tree.
+
+    Returns:
+      The scaled tree.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> g = {"emb": jaxslices.IndexedSlices(jnp.ones((1, 2)), jnp.array([2]), (3, 2))}
+      >>> jaxslices.tree_scale(0.5, g)["emb"].values
+      Array([[0.5, 0.5]], dtype=float32)
+    """
+    if jnp.ndim(scalar) != 0:
+        raise ValueError(
+            "jaxslices.tree_scale: `scalar` must be a scalar, got shape "
+            f"{tuple(jnp.shape(scalar))}. To scale rows differently use "
+            "jaxslices.tree_map_values."
+        )
+
+    def scale(x):
+        return (jnp.asarray(scalar) * x).astype(x.dtype)
+
+    return tree_map_values(scale, tree)
+
+
+def _axis_size(axis_name: AxisName) -> Any:
+    return jax.lax.psum(1, axis_name)
+
+
+def _gather_slices(s: IndexedSlices, axis_name: AxisName, where: str) -> IndexedSlices:
+    check_slices(s, where)
+    values = jax.lax.all_gather(s.values, axis_name, axis=0, tiled=True)
+    indices = jax.lax.all_gather(s.indices, axis_name, axis=0, tiled=True)
+    return IndexedSlices(values, indices, s.dense_shape)
+
+
+def tree_psum(tree: Any, axis_name: AxisName) -> Any:
+    """Sum a gradient tree over a named axis: arrays ``psum``, slices all-gather.
+
+    The data-parallel reduction: inside :func:`jax.shard_map`, ``jax.pmap`` or
+    ``jax.vmap(..., axis_name=...)``, dense leaves are :func:`jax.lax.psum`-ed
+    and every :class:`~jaxslices.IndexedSlices` leaf is all-gathered (values and
+    indices, concatenated in axis order) so each device holds the slots of all
+    devices: ``n * N`` slots for ``n`` devices of ``N``. Its dense equivalent is
+    the sum of the devices' dense equivalents; communication is
+    ``O(n * N * row)``, never ``O(V * row)``, and indices are never summed
+    (``jax.lax.psum`` of the tree raises on slices for that reason). Coalesce
+    afterwards (:func:`jaxslices.coalesce`) if the consumer needs unique rows;
+    the jaxslices optimizers do that themselves.
+
+    Args:
+      tree: a gradient tree (``None`` and ``IndexedSlices`` are leaves).
+      axis_name: the named axis (or tuple of axes) to reduce over.
+
+    Returns:
+      The reduced tree; slices leaves have ``n`` times as many slots.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxslices
+      >>> def per_device(v, i):
+      ...     g = {"emb": jaxslices.IndexedSlices(v, i, (4, 1)), "w": v.sum()}
+      ...     return jaxslices.tree_psum(g, "data")
+      >>> out = jax.vmap(per_device, axis_name="data")(
+      ...     jnp.ones((2, 1, 1)), jnp.array([[1], [3]]))
+      >>> out["emb"].indices[0], out["w"]
+      (Array([1, 3], dtype=int32), Array([2., 2.], dtype=float32))
+    """
+
+    def leaf(path, g):
+        if g is None:
+            return None
+        if isinstance(g, IndexedSlices):
+            return _gather_slices(g, axis_name, _where("tree_psum", path))
+        return jax.lax.psum(g, axis_name)
+
+    return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=_is_leaf)
+
+
+def tree_pmean(tree: Any, axis_name: AxisName) -> Any:
+    """Average a gradient tree over a named axis: :func:`tree_psum` / axis size.
+
+    Dense leaves are :func:`jax.lax.pmean`-ed; slices leaves are all-gathered
+    as in :func:`tree_psum` and their values divided by the axis size, so the
+    dense equivalent is the mean of the devices' dense equivalents.
+
+    Args:
+      tree: a gradient tree (``None`` and ``IndexedSlices`` are leaves).
+      axis_name: the named axis (or tuple of axes) to average over.
+
+    Returns:
+      The averaged tree; slices leaves have ``n`` times as many slots.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxslices
+      >>> def per_device(v, i):
+      ...     g = jaxslices.IndexedSlices(v, i, (4,))
+      ...     return jaxslices.tree_pmean(g, "data").to_dense()
+      >>> jax.vmap(per_device, axis_name="data")(
+      ...     jnp.array([[2.0], [4.0]]), jnp.array([[1], [1]]))[0]
+      Array([0., 3., 0., 0.], dtype=float32)
+    """
+
+    def leaf(path, g):
+        if g is None:
+            return None
+        if isinstance(g, IndexedSlices):
+            s = _gather_slices(g, axis_name, _where("tree_pmean", path))
+            n = _axis_size(axis_name)
+            return _replace_values(s, (s.values / n).astype(s.dtype))
+        return jax.lax.pmean(g, axis_name)
+
+    return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=_is_leaf)
