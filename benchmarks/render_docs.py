@@ -156,7 +156,43 @@ def densify_crossover() -> str:
     return "\n".join(lines) + "\n"
 
 
+def design_typed_cost() -> str:
+    """docs/design.md: step time with plain vs typed indices (typed_indices_cost)."""
+    d = load("typed_indices_cost_cpu.json")
+    lines = [
+        "| run | code | SGD jaxslices | SGD floor | ratio | clip+SGD jaxslices "
+        "| clip+SGD floor | ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for r in d["runs"]:
+        sgd = r["sgd_jaxslices_ms"] / r["sgd_floor_ms"]
+        clip = r["clip_sgd_jaxslices_ms"] / r["clip_sgd_floor_ms"]
+        ratios.setdefault(r["code"], {"sgd": [], "clip": []})
+        ratios[r["code"]]["sgd"].append(sgd)
+        ratios[r["code"]]["clip"].append(clip)
+        lines.append(
+            f"| {r['run']} | {r['code']} | {r['sgd_jaxslices_ms']:.2f} | "
+            f"{r['sgd_floor_ms']:.2f} | {sgd:.2f}x | {r['clip_sgd_jaxslices_ms']:.2f} "
+            f"| {r['clip_sgd_floor_ms']:.2f} | {clip:.2f}x |"
+        )
+    med = {
+        code: {k: statistics.median(v) for k, v in rs.items()}
+        for code, rs in ratios.items()
+    }
+    lines.append("")
+    lines.append(
+        "Median ratio over the runs: SGD "
+        + ", ".join(f"{med[c]['sgd']:.2f}x ({c})" for c in med)
+        + "; clip+SGD "
+        + ", ".join(f"{med[c]['clip']:.2f}x ({c})" for c in med)
+        + "."
+    )
+    return "\n".join(lines) + "\n"
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "design-typed-cost": design_typed_cost,
     "densify-crossover": densify_crossover,
     "readme-benchmarks": readme_benchmarks,
     "design-coalesce": design_coalesce,

@@ -9,6 +9,7 @@ in place, so a step costs what the batch touches, not what the table holds.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from ._conditionality import apply_if_finite as apply_if_finite
 from .accumulate import MultiSteps as MultiSteps
 from .accumulate import MultiStepsState as MultiStepsState
 from .autodiff import grad as grad
@@ -27,17 +28,27 @@ from .slices import scatter_sub as scatter_sub
 from .slices import scatter_update as scatter_update
 from .slices import sparse_mask as sparse_mask
 from .slices import to_dense as to_dense
+from .transforms import AddDecayedWeightsState as AddDecayedWeightsState
+from .transforms import FtrlState as FtrlState
+from .transforms import ScaleByLazyAdamState as ScaleByLazyAdamState
+from .transforms import ScaleByRowwiseRssState as ScaleByRowwiseRssState
+from .transforms import ScaleByRssState as ScaleByRssState
+from .transforms import ScaleByScheduleState as ScaleByScheduleState
+from .transforms import TraceState as TraceState
 from .transforms import adagrad as adagrad
 from .transforms import add_decayed_weights as add_decayed_weights
 from .transforms import clip as clip
 from .transforms import clip_by_global_norm as clip_by_global_norm
 from .transforms import clip_by_row_norm as clip_by_row_norm
 from .transforms import densify as densify
+from .transforms import ftrl as ftrl
 from .transforms import lazy_adam as lazy_adam
 from .transforms import lazy_adamw as lazy_adamw
+from .transforms import rowwise_adagrad as rowwise_adagrad
 from .transforms import scale as scale
 from .transforms import scale_by_lazy_adam as scale_by_lazy_adam
 from .transforms import scale_by_learning_rate as scale_by_learning_rate
+from .transforms import scale_by_rowwise_rss as scale_by_rowwise_rss
 from .transforms import scale_by_rss as scale_by_rss
 from .transforms import scale_by_schedule as scale_by_schedule
 from .transforms import sgd as sgd
@@ -105,4 +116,15 @@ __all__ = [
     "scale_by_schedule",
     "sgd",
     "trace",
+    "apply_if_finite",
+    "ftrl",
+    "rowwise_adagrad",
+    "scale_by_rowwise_rss",
+    "FtrlState",
+    "ScaleByRowwiseRssState",
+    "AddDecayedWeightsState",
+    "ScaleByLazyAdamState",
+    "ScaleByRssState",
+    "ScaleByScheduleState",
+    "TraceState",
 ]

@@ -7,14 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import dense_reference, tol
+from helpers import dense_reference, random_slices, tol
 from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxslices as js
-from jaxslices import IndexedSlices
+from jaxslices import IndexedSlices, _rowwise
 from jaxslices import slices as slices_mod
-from jaxslices import transforms as tr
 
 V, D, H = 10, 3, 2  # table rows, embedding dim, hidden
 SCHED = optax.linear_schedule(0.1, 0.01, 5)
@@ -165,7 +164,12 @@ EXACT_ON_DENSE_GRAD = [
     "adagrad_schedule",
 ]
 ROW_NORM = lambda: optax.chain(js.clip_by_row_norm(0.7), js.sgd(0.1))  # noqa: E731
-ALL = {**{k: (lambda k=k: PAIRS[k]()[0]) for k in PAIRS}, "clip_by_row_norm": ROW_NORM}
+ALL = {
+    **{k: (lambda k=k: PAIRS[k]()[0]) for k in PAIRS},
+    "clip_by_row_norm": ROW_NORM,
+    "rowwise_adagrad": lambda: js.rowwise_adagrad(0.1),
+    "ftrl": lambda: js.ftrl(0.1, l1=0.01, l2_shrinkage=0.01),
+}
 
 
 # ------------------------------------------------- dense leaves: same as Optax
@@ -388,8 +392,8 @@ def test_clip_by_global_norm_below_threshold_is_identity():
 def test_global_norm_helper_equals_slices_global_norm():
     rng = np.random.default_rng(6)
     g = make_grads(rng, 1, invalid=True)[0]
-    np.testing.assert_array_equal(tr._global_norm(g), js.global_norm(g))
-    assert float(tr._global_norm({})) == 0.0
+    np.testing.assert_array_equal(_rowwise.global_norm(g), js.global_norm(g))
+    assert float(_rowwise.global_norm({})) == 0.0
 
 
 def numpy_row_clip(x, max_norm):
@@ -792,50 +796,20 @@ def test_apply_if_finite_skips_non_finite_sparse_steps():
 # ------------------------------------------------------------- coalescing
 
 
-def test_all_coalescing_goes_through_one_function(monkeypatch):
-    calls = {"inside": 0, "outside": 0}
-    depth = [0]
-    real_coalesce = slices_mod.coalesce
-    real_hook = tr._coalesce_for_update
+def count_sorts(tx, grads, params):
+    """Sorts in the lowered program of one ``tx.update`` (one per coalesce)."""
+    text = jax.jit(tx.update).lower(grads, tx.init(params), params).as_text()
+    return text.count("stablehlo.sort")
 
-    def counting_coalesce(s):
-        calls["inside" if depth[0] else "outside"] += 1
-        return real_coalesce(s)
 
-    def hook(s):
-        depth[0] += 1
-        try:
-            return real_hook(s)
-        finally:
-            depth[0] -= 1
-
-    monkeypatch.setattr(slices_mod, "coalesce", counting_coalesce)
-    monkeypatch.setattr(tr, "_coalesce_for_update", hook)
-    rng = np.random.default_rng(22)
+@pytest.mark.parametrize(
+    "name, sorts",
+    [("sgd", 0), ("scale", 0), ("lazy_adam", 1), ("lazy_adamw", 1), ("adagrad", 1)],
+)
+def test_coalesces_at_most_once_per_table(name, sorts):
+    rng = np.random.default_rng(23)
     params = make_params(rng)
-    for make_tx in MEMORY.values():
-        run(make_tx(), params, make_grads(rng, steps=1), jit=False)
-    assert calls["outside"] == 0 and calls["inside"] > 0
-
-
-def test_lazy_adamw_coalesces_once_per_table():
-    count = [0]
-    real = tr._coalesce_for_update
-
-    def hook(s):
-        count[0] += 1
-        return real(s)
-
-    tr_hook = pytest.MonkeyPatch()
-    tr_hook.setattr(tr, "_coalesce_for_update", hook)
-    try:
-        rng = np.random.default_rng(23)
-        params = make_params(rng)
-        tx = js.lazy_adamw(0.1)
-        tx.update(make_grads(rng, 1)[0], tx.init(params), params)
-    finally:
-        tr_hook.undo()
-    assert count[0] == 1
+    assert count_sorts(ALL[name](), make_grads(rng, 1)[0], params) == sorts
 
 
 # ------------------------------------------------------------------ property
@@ -938,3 +912,225 @@ def test_densify_small_tables_matches_dense_optax():
     np.testing.assert_allclose(updates["small"], want["small"], rtol=1e-6)
     every, _ = js.densify().update({"big": big}, ())
     np.testing.assert_array_equal(every["big"], big.to_dense())
+
+
+# ------------------------------------------ row-wise Adagrad and FTRL (NumPy)
+
+
+def numpy_rows(g, num_rows):
+    """(dense float64 gradient, the rows a step updates: touched ids or all)."""
+    if isinstance(g, IndexedSlices):
+        idx = np.asarray(g.indices)
+        return dense_reference(g), np.array(
+            sorted({int(i) for i in idx if 0 <= i < num_rows}), int
+        )
+    g = np.asarray(g, np.float64)
+    return g, np.arange(g.shape[0]) if g.ndim else ()
+
+
+def numpy_rowwise_adagrad(params, grads, lr, init=0.0, eps=1e-8):
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD in float64 on the rows each step touches."""
+    p = {k: np.array(v, np.float64) for k, v in params.items()}
+    acc = {k: np.full(v.shape[:1] if v.ndim >= 2 else v.shape, init)
+           for k, v in p.items()}  # fmt: skip
+    for g in grads:
+        for k in p:
+            dense, rows = numpy_rows(g[k], p[k].shape[0] if p[k].ndim else 0)
+            gr = dense[rows]
+            if p[k].ndim >= 2:
+                acc[k][rows] += np.mean(gr**2, axis=tuple(range(1, gr.ndim)))
+                denom = np.sqrt(acc[k][rows]).reshape((-1,) + (1,) * (gr.ndim - 1))
+            else:
+                acc[k][rows] += gr**2
+                denom = np.sqrt(acc[k][rows])
+            p[k][rows] += -lr * gr / (denom + eps)
+    return p, acc
+
+
+FTRL_ARGS = dict(
+    learning_rate=0.2,
+    learning_rate_power=-0.5,
+    initial_accumulator_value=0.1,
+    l1=0.05,
+    l2=0.1,
+    l2_shrinkage=0.02,
+    beta=0.3,
+)
+
+
+def numpy_ftrl(params, grads, learning_rate, learning_rate_power,
+               initial_accumulator_value, l1, l2, l2_shrinkage, beta):  # fmt: skip
+    """Keras 3's Ftrl formula in float64 on the rows each step touches."""
+    p = {k: np.array(v, np.float64) for k, v in params.items()}
+    n = {k: np.full(v.shape, initial_accumulator_value) for k, v in p.items()}
+    z = {k: np.zeros(v.shape) for k, v in p.items()}
+    lr, k_pow = learning_rate, -learning_rate_power
+    for g in grads:
+        for k in p:
+            dense, rows = numpy_rows(g[k], p[k].shape[0])
+            gr, pr, nr, zr = dense[rows], p[k][rows], n[k][rows], z[k][rows]
+            n_new = nr + gr**2
+            zr = zr + gr + 2 * l2_shrinkage * pr - (n_new**k_pow - nr**k_pow) / lr * pr
+            q = n_new**k_pow / lr + 2 * (l2 + beta / (2 * lr))
+            p[k][rows] = (np.clip(zr, -l1, l1) - zr) / q
+            n[k][rows], z[k][rows] = n_new, zr
+    return p, n, z
+
+
+def _untouched(grads):
+    touched = set()
+    for g in grads:
+        touched.update(int(i) for i in np.asarray(g["emb"].indices) if 0 <= i < V)
+    return np.array(sorted(set(range(V)) - touched), int)
+
+
+@pytest.mark.parametrize("use_jit", [True, False])
+@pytest.mark.parametrize("init", [0.0, 0.5])
+def test_rowwise_adagrad_matches_numpy(init, use_jit):
+    rng = np.random.default_rng(30)
+    params = make_params(rng)
+    grads = make_grads(rng, steps=4, invalid=True)
+    tx = js.rowwise_adagrad(0.3, initial_accumulator_value=init, eps=1e-6)
+    got, state = run(tx, params, grads, jit=use_jit)
+    want, acc = numpy_rowwise_adagrad(params, grads, 0.3, init, 1e-6)
+    for k in params:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(state[0].sum_of_squares[k], acc[k], rtol=1e-5)
+    # One float per table row; rank-1 leaves one per element.
+    assert state[0].sum_of_squares["emb"].shape == (V,)
+    assert state[0].sum_of_squares["b"].shape == (H,)
+    untouched = _untouched(grads)
+    assert untouched.size
+    np.testing.assert_array_equal(got["emb"][untouched], params["emb"][untouched])
+    np.testing.assert_array_equal(state[0].sum_of_squares["emb"][untouched], init)
+
+
+def test_rowwise_adagrad_sparse_equals_dense_and_rank3_rows():
+    rng = np.random.default_rng(31)
+    s = random_slices(rng, num_rows=V, n=9, row_shape=(2, 3))
+    params = {"t": jnp.asarray(rng.normal(size=(V, 2, 3)), jnp.float32)}
+    grads = [{"t": s}, {"t": s * 0.5}]
+    tx = optax.chain(js.clip_by_global_norm(1e6), js.rowwise_adagrad(0.1))
+    sparse, s_state = run(tx, params, grads)
+    dense, d_state = run(tx, params, [js.to_dense(g) for g in grads])
+    want, acc = numpy_rowwise_adagrad(params, grads, 0.1)
+    np.testing.assert_allclose(sparse["t"], dense["t"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(sparse["t"], want["t"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(s_state[1][0].sum_of_squares["t"], acc["t"], rtol=1e-5)
+
+
+def test_rowwise_adagrad_state_is_one_float_per_row():
+    params = {"emb": jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)}
+    ada = jax.eval_shape(js.adagrad(0.1).init, params)
+    row = jax.eval_shape(js.rowwise_adagrad(0.1).init, params)
+    nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
+    assert row[0].sum_of_squares["emb"].dtype == jnp.float32  # bf16 table: f32 state
+    assert nbytes(row) == 1000 * 4
+    assert nbytes(ada) == 1000 * 64 * 2
+
+
+@pytest.mark.parametrize("use_jit", [True, False])
+def test_ftrl_matches_numpy_on_touched_rows(use_jit):
+    rng = np.random.default_rng(32)
+    params = make_params(rng)
+    grads = make_grads(rng, steps=4, invalid=True)
+    got, state = run(js.ftrl(**FTRL_ARGS), params, grads, jit=use_jit)
+    want, n, z = numpy_ftrl(params, grads, **FTRL_ARGS)
+    for k in params:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(state.accumulator[k], n[k], rtol=1e-5)
+        np.testing.assert_allclose(state.linear[k], z[k], rtol=1e-4, atol=1e-6)
+    untouched = _untouched(grads)
+    assert untouched.size
+    np.testing.assert_array_equal(got["emb"][untouched], params["emb"][untouched])
+    np.testing.assert_array_equal(state.linear["emb"][untouched], 0.0)
+    np.testing.assert_allclose(state.accumulator["emb"][untouched], 0.1)
+    assert int(state.count) == 4
+
+
+def test_ftrl_dense_leaves_are_the_dense_formula_and_differ_from_sparse():
+    """Dense FTRL moves never-touched rows (to 0); sparse FTRL leaves them."""
+    rng = np.random.default_rng(33)
+    params = make_params(rng)
+    grads = make_grads(rng, steps=3)
+    dense_grads = [js.to_dense(g) for g in grads]
+    args = dict(FTRL_ARGS, l2_shrinkage=0.0)
+    got, _ = run(js.ftrl(**args), params, dense_grads)
+    want, _, _ = numpy_ftrl(params, dense_grads, **args)
+    np.testing.assert_allclose(got["emb"], want["emb"], rtol=1e-4, atol=1e-6)
+    untouched = _untouched(grads)
+    np.testing.assert_array_equal(got["emb"][untouched], 0.0)
+    sparse, _ = run(js.ftrl(**args), params, grads)
+    np.testing.assert_array_equal(sparse["emb"][untouched], params["emb"][untouched])
+
+
+def test_ftrl_in_chain_with_schedule_and_duplicates_only():
+    """Schedule as learning rate; every id of the step is one duplicated row."""
+    params = {"emb": jnp.ones((4, 2))}
+    s = IndexedSlices(jnp.array([[1.0, 2.0], [3.0, -1.0], [0.0, 0.0]]),
+                      jnp.array([2, 2, 4]), (4, 2))  # fmt: skip
+    sched = optax.linear_schedule(0.5, 0.1, 3)
+    tx = optax.chain(js.clip_by_global_norm(1e6), js.ftrl(sched, l1=0.1))
+    got, _ = run(tx, params, [{"emb": s}] * 3)
+    p = np.ones((4, 2))
+    n, z = np.full((4, 2), 0.1), np.zeros((4, 2))
+    for step in range(3):
+        lr, g = float(sched(step)), np.array([4.0, 1.0])
+        n_new = n[2] + g**2
+        z[2] = z[2] + g - (np.sqrt(n_new) - np.sqrt(n[2])) / lr * p[2]
+        p[2] = (np.clip(z[2], -0.1, 0.1) - z[2]) / (np.sqrt(n_new) / lr)
+        n[2] = n_new
+    np.testing.assert_allclose(got["emb"], p, rtol=1e-5, atol=1e-6)
+
+
+def test_ftrl_bad_arguments_and_missing_params():
+    with pytest.raises(ValueError, match="learning_rate_power` must be <= 0"):
+        js.ftrl(0.1, learning_rate_power=0.5)
+    with pytest.raises(ValueError, match="`l1` must be >= 0, got -1"):
+        js.ftrl(0.1, l1=-1.0)
+    with pytest.raises(ValueError, match="`learning_rate` must be > 0"):
+        js.ftrl(0.0)
+    tx = js.ftrl(0.1)
+    params = {"emb": jnp.zeros((V, D))}
+    with pytest.raises(ValueError, match="ftrl needs the params"):
+        tx.update({"emb": make_slices(np.random.default_rng(0))}, tx.init(params))
+
+
+# ------------------------------------- NumPy arrays and Python lists as input
+
+
+def _as_numpy_inputs(params, grads):
+    """Dense leaves as NumPy arrays, the bias as a Python list of floats."""
+    p = {k: np.asarray(v) for k, v in params.items()}
+    p["b"] = [float(x) for x in p["b"]]
+    gs = []
+    for g in grads:
+        g = {k: v if js.is_indexed_slices(v) else np.asarray(v) for k, v in g.items()}
+        g["b"] = [float(x) for x in g["b"]]
+        gs.append(g)
+    return p, gs
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+@pytest.mark.parametrize("name", list(ALL))
+def test_numpy_and_list_params_state_and_grads(name, use_jit):
+    rng = np.random.default_rng(40)
+    params = make_params(rng)
+    grads = make_grads(rng, steps=2)
+    tx = ALL[name]()
+    want, want_state = run(tx, params, grads, jit=use_jit)
+    np_params, np_grads = _as_numpy_inputs(params, grads)
+    state = jax.tree.map(np.asarray, tx.init(np_params))  # NumPy state too
+    update = jax.jit(tx.update) if use_jit else tx.update
+    p = np_params
+    for g in np_grads:
+        updates, state = update(g, state, p)
+        p = js.apply_updates(p, updates)
+    got = dict(p, b=jnp.stack(p["b"]))
+    assert_trees_close(got, want)
+
+    # The list parameter's state is a list of scalars: compare flattened.
+    def flat(t):
+        return np.concatenate([np.zeros(0)] + [np.ravel(x) for x in jax.tree.leaves(t)])
+
+    np.testing.assert_allclose(flat(state), flat(want_state), rtol=1e-5, atol=1e-6)

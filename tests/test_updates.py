@@ -168,3 +168,18 @@ def test_float_indices_are_refused_with_the_hint():
         r"integer dtype, got float32\[2\]. .*optax\.scale",
     ):
         jax.jit(js.apply_updates)({"emb": jnp.zeros((3, 2))}, {"emb": corrupted})
+
+
+@pytest.mark.parametrize("use_jit", JIT)
+def test_numpy_and_list_params_and_updates(use_jit):
+    """What JAX accepts as params: NumPy arrays, Python lists and floats."""
+    rng = np.random.default_rng(7)
+    s = random_slices(rng, num_rows=7, n=12, row_shape=(3,))
+    table = rng.normal(size=(7, 3)).astype(np.float32)
+    params = {"emb": table, "bias": [0.5, -1.0], "scale": 2.0}
+    updates = {"emb": s, "bias": [np.float32(1.0), 2.0], "scale": np.ones(())}
+    out = maybe_jit(js.apply_updates, use_jit)(params, updates)
+    np.testing.assert_allclose(out["emb"], table + dense_reference(s), rtol=1e-6)
+    assert isinstance(out["bias"], list)
+    np.testing.assert_allclose(np.stack(out["bias"]), [1.5, 1.0])
+    np.testing.assert_allclose(out["scale"], 3.0)
