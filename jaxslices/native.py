@@ -856,6 +856,10 @@ def _row_sparse_to_dense(x: Any, check: bool = True) -> jax.Array:
     return _vectorize(scatter, len(ty.batch_shape))(values, indices)
 
 
+def _make_slices(values: Any, indices: Any, dense_shape: tuple[int, ...]) -> Any:
+    return IndexedSlices(values, indices, dense_shape)
+
+
 def to_indexed_slices(tree: Any) -> Any:
     """Turn each :class:`RowSparse` in ``tree`` into an ``IndexedSlices``.
 
@@ -878,7 +882,8 @@ def to_indexed_slices(tree: Any) -> Any:
             return x
         values, indices, _, ty = _unpack_checked(x)
         if ty.batch_shape:  # per-example gradients: batched leaves, as vmap makes
-            return IndexedSlices.tree_unflatten(ty.dense_shape, (values, indices))
+            build = functools.partial(_make_slices, dense_shape=ty.dense_shape)
+            return _vectorize(build, len(ty.batch_shape))(values, indices)
         return IndexedSlices(values, indices, ty.dense_shape)
 
     return jax.tree.map(convert, tree, is_leaf=is_row_sparse)
