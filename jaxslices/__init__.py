@@ -76,6 +76,17 @@ from .tree import tree_psum as tree_psum
 from .tree import tree_scale as tree_scale
 from .updates import apply_updates as apply_updates
 
+
+def __getattr__(name: str):
+    # ``jaxslices.native`` (experimental, built on JAX's hijax API) is imported
+    # only when used, so ``import jaxslices`` never touches private JAX names.
+    if name == "native":
+        import importlib
+
+        return importlib.import_module(".native", __name__)
+    raise AttributeError(f"module 'jaxslices' has no attribute {name!r}")
+
+
 try:
     __version__ = version("jaxslices")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
