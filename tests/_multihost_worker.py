@@ -122,11 +122,8 @@ def main(port: str, pid: int, nproc: int, out_path: str) -> None:
         heartbeat_timeout_seconds=30,
         shutdown_timeout_seconds=30,
     )
-    # `import jaxslices` currently starts the XLA backend (typed indices make
-    # a key array at import), after which initialize() refuses to run; see
-    # test_import_does_not_start_the_backend.
     global js
-    js = importlib.import_module("jaxslices")
+    js = importlib.import_module("jaxslices")  # before or after initialize()
     result: dict = {"process": pid, "devices": jax.device_count()}
     try:
         for mode in ("data_parallel", "row_sharded_all_to_all"):

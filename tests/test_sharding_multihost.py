@@ -68,12 +68,6 @@ def test_two_processes_four_devices_each(tmp_path):
         assert result["row_sharded_all_to_all"] < 1e-5, result
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known regression, reported: importing jaxslices starts the XLA "
-    "backend (typed indices), so jax.distributed.initialize() after "
-    "`import jaxslices` raises",
-)
 def test_import_does_not_start_the_backend():
     code = (
         "import jax, jaxslices\n"

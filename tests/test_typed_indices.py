@@ -287,6 +287,7 @@ def test_typed_indices_accepted_by_the_constructor():
 
 
 def test_eager_messages_installed_on_this_jax():
+    IndexedSlices(jnp.ones((1, 1)), jnp.array([0]), (2, 1))  # installs lazily
     assert _typed_indices.MESSAGES_INSTALLED
     # Other keys keep JAX's own behaviour.
     key = jax.random.key(0)
