@@ -54,6 +54,9 @@ class LookupRecord:
     ids_shape: tuple[int, ...]
     row_shape: tuple[int, ...]
     dtype: Any
+    # Mesh axes (inside ``shard_map`` with ``check_vma``) over which the ids
+    # vary but the table does not: see ``_varying_axes``.
+    axes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -147,7 +150,11 @@ class Tape:
             # Discovery traces every candidate as its own tracer: one leaf.
             self.records.append(
                 LookupRecord(
-                    ks[0], tuple(ids.shape), tuple(table.shape[1:]), table.dtype
+                    ks[0],
+                    tuple(ids.shape),
+                    tuple(table.shape[1:]),
+                    table.dtype,
+                    _varying_axes(ids, table),
                 )
             )
             return None
@@ -205,8 +212,50 @@ def _active(tape: Tape) -> Iterator[Tape]:
         stack.pop()
 
 
+def _vma(x: Any) -> frozenset:
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:  # JAX < 0.6: no varying-axes types
+        return frozenset()
+    try:
+        aval = typeof(x)
+    except TypeError:
+        return frozenset()
+    mat = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()) or ())
+    return frozenset(getattr(aval, "vma", ()) or ())  # JAX 0.7 - 0.9
+
+
+def _varying_axes(ids: Any, table: Any) -> tuple[str, ...]:
+    """Mesh axes over which ``ids`` vary and ``table`` does not.
+
+    Inside ``shard_map`` with ``check_vma=True`` (the default), JAX sums the
+    cotangent of an invariant value over the axes its uses vary on. A tap made
+    invariant would then receive the *sum over devices* of row gradients whose
+    ids differ: wrong. So the tap is made varying over these axes (each device
+    keeps its own rows), and ``pack`` all-gathers the slices over them, which
+    is JAX's own semantics for the gradient of a replicated parameter (the sum
+    over devices), kept sparse.
+    """
+    return tuple(sorted(_vma(ids) - _vma(table)))
+
+
+def _pvary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    if hasattr(jax.lax, "pcast"):  # JAX >= 0.8
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)
+
+
+def _all_gather_invariant(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    try:
+        return jax.lax.all_gather(x, axes, tiled=True, to="invarying")
+    except TypeError:  # JAX without the `to` argument
+        return jax.lax.all_gather(x, axes, tiled=True)
+
+
 def _zeros_tap(rec: LookupRecord) -> jax.Array:
-    return jnp.zeros(rec.ids_shape + rec.row_shape, rec.dtype)
+    tap = jnp.zeros(rec.ids_shape + rec.row_shape, rec.dtype)
+    return _pvary(tap, rec.axes) if rec.axes else tap
 
 
 def lookup(
@@ -347,12 +396,18 @@ def pack(plan: Plan, tapped: Tapped, leaves: Sequence[Any]) -> dict[int, Indexed
     out = {}
     for k in plan.sparse:
         mine = [j for j, r in enumerate(plan.records) if r.leaf == k]
-        out[k] = _pack(
+        s = _pack(
             [tapped.cts[j] for j in mine],
             [tapped.ids[j] for j in mine],
             [tapped.rows[j] for j in mine],
             tuple(leaves[k].shape),
         )
+        axes = tuple(sorted({a for j in mine for a in plan.records[j].axes}))
+        if axes:  # shard_map(check_vma=True): the sum over devices, as slices
+            values = _all_gather_invariant(s.values, axes)
+            indices = _all_gather_invariant(s.indices, axes)
+            s = IndexedSlices(values, indices, s.dense_shape)
+        out[k] = s
     return out
 
 

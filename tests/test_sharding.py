@@ -180,9 +180,9 @@ def test_replicate_rows_is_a_no_op_without_a_mesh():
 def _shard_map(f, m, in_specs, out_specs):
     """Per-device semantics: gradients stay local until reduced explicitly.
 
-    With ``check_vma=True`` (the default of ``jax.shard_map``) JAX psums the
-    gradient of a replicated parameter by itself, and jaxslices' taps would be
-    summed over devices whose ids differ: reported, not yet handled.
+    With ``check_vma=True`` (the default of ``jax.shard_map``) JAX sums the
+    gradient of a replicated parameter over devices by itself (tested in
+    ``test_value_and_grad_inside_shard_map_check_vma``).
     """
     if hasattr(jax, "shard_map"):
         return jax.shard_map(
@@ -224,12 +224,6 @@ def test_data_parallel_inside_shard_map_with_tree_pmean(name):
     _mesh.assert_trees_close(out, ref)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug, reported: under shard_map(check_vma=True) JAX psums the "
-    "tap cotangents of devices whose ids differ, so value_and_grad's slices are "
-    "wrong (dense leaves are psummed by JAX, as jax.grad's are)",
-)
 def test_value_and_grad_inside_shard_map_check_vma():
     if not hasattr(jax, "shard_map"):
         pytest.skip("jax.shard_map with check_vma: JAX >= 0.7")
@@ -258,3 +252,53 @@ def test_value_and_grad_inside_shard_map_check_vma():
     )
     for device_result in got:
         np.testing.assert_allclose(device_result, expect, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["sgd", "clip_sgd", "lazy_adam"])
+def test_training_step_inside_shard_map_check_vma(name):
+    """The default shard_map mode: JAX sums gradients of replicated parameters.
+
+    Sparse gradients follow the same rule (all-gathered slices: their sum), so
+    with the loss divided by the number of devices a per-device step equals
+    the single-device step on the global batch, with no table-sized collective.
+    """
+    if not hasattr(jax, "shard_map"):
+        pytest.skip("jax.shard_map with check_vma: JAX >= 0.7")
+    m = _mesh.mesh()
+    n = m.devices.size
+    tx = _mesh.OPTIMIZERS[name]()
+    params0 = _mesh.init_params(V, D)
+    ids, y = _mesh.batch(V, B, L)
+    ref = jax.jit(_mesh.make_step(tx))(params0, tx.init(params0), ids, y)
+
+    def per_device(params, state, ids, y):
+        def loss(p, i, t):
+            return _mesh.loss_fn(p, i, t) / n
+
+        loss_value, grads = js.value_and_grad(loss)(params, ids, y)
+        assert js.is_indexed_slices(grads["emb"])
+        updates, state = tx.update(grads, state, params)
+        return (
+            js.apply_updates(params, updates),
+            state,
+            jax.lax.psum(loss_value, "data"),
+        )
+
+    step = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=m,
+            in_specs=(P(), P(), P("data"), P("data")),
+            out_specs=(P(), P(), P()),
+        )
+    )
+    rep, bat = _mesh.replicated(m), NamedSharding(m, P("data"))
+    args = (
+        jax.device_put(params0, rep),
+        jax.device_put(tx.init(params0), rep),
+        jax.device_put(ids, bat),
+        jax.device_put(y, bat),
+    )
+    compiled = step.lower(*args).compile()
+    _hlo.assert_no_table_sized(compiled, V, D)
+    _mesh.assert_trees_close(compiled(*args), ref)
