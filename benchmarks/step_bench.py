@@ -25,6 +25,10 @@ Paths, each one jitted step with params and optimizer state donated:
 * ``js_sort``: ``jaxslices`` with ``coalesce_method="sort"`` on every
   transform (the default is ``"auto"``: the hash dedup on CPU), to measure the
   coalescing choice through the public argument.
+* ``native``: the experimental native backend (``jaxslices.native``): the
+  table marked inside the step (capacity = ids per batch), plain
+  ``jax.value_and_grad``, ``native.to_indexed_slices``, then the same
+  jaxslices transforms and ``apply_updates`` as ``jaxslices``.
 
 Run: ``python benchmarks/step_bench.py --out benchmarks/results`` (defaults are
 the issue's workload). Prints a markdown table with ratios measured pair by pair
@@ -35,6 +39,7 @@ and a log-log plot of ms/step against V.
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,7 +62,7 @@ from _common import (
 import jaxslices as js
 
 OPTIMIZERS = ("sgd", "clip_sgd", "adagrad", "adam", "rowwise_adagrad", "ftrl")
-PATHS = ("dense", "jaxslices", "floor", "densify", "js_sort")
+PATHS = ("dense", "jaxslices", "floor", "densify", "js_sort", "native")
 NEEDS_API = {"jaxslices", "densify", "js_sort"}  # paths that use value_and_grad
 LR = {
     "sgd": 0.1,
@@ -167,6 +172,27 @@ def make_densify(name: str, params):
     return _optax_step(opt, js.value_and_grad, sparse_loss, js.apply_updates, params)
 
 
+# --- native backend path (jaxslices.native; owner: native backend) ---------
+
+
+def make_native(name: str, params):
+    from jaxslices import native
+
+    opt = _sparse_opt(name)
+
+    def step(params, state, ids, y):
+        marked = {**params, "emb": native.mark(params["emb"], capacity=ids.size)}
+        loss, grads = jax.value_and_grad(sparse_loss)(marked, ids, y)
+        grads = native.to_indexed_slices(grads)
+        updates, state = opt.update(grads, state, params)
+        return js.apply_updates(params, updates), state, loss
+
+    return step, opt.init(params)
+
+
+# --- end of the native backend path ------------------------------------------
+
+
 def _rows_grad(params, ids, y):
     """Floor: gradient with respect to the gathered rows and the dense head."""
     rows = params["emb"].at[ids].get(mode="fill", fill_value=0)
@@ -272,6 +298,7 @@ MAKERS: dict[str, Callable[[str, Any], tuple[Step, Any]]] = {
     "floor": make_floor,
     "densify": make_densify,
     "js_sort": make_js_sort,
+    "native": make_native,
 }
 
 
@@ -290,7 +317,9 @@ class Runner:
         params = init_params(num_rows, dim, seed)
         step, state = MAKERS[path](opt, params)
         jitted = jax.jit(step, donate_argnums=(0, 1))
+        t0 = time.perf_counter()
         compiled = jitted.lower(params, state, ids[0], y).compile()
+        compile_s = time.perf_counter() - t0  # trace + lower + compile
         mem = compiled.memory_analysis()
         self.memory = {
             f"{k}_bytes": int(getattr(mem, f"{k}_size_in_bytes", -1))
@@ -305,6 +334,7 @@ class Runner:
         for _ in range(3):  # warm up
             self()
         self.memory.update(rss_mb())
+        self.memory["compile_s"] = compile_s
         # This runner's footprint (params, state, executable, temporaries once
         # allocated); approximate, as freed memory may be reused.
         self.memory["rss_delta_mb"] = self.memory["rss_mb"] - rss_before
@@ -446,6 +476,7 @@ def markdown_table(rows: list[dict]) -> str:
         ("jaxslices", "floor"),
         ("js_sort", "jaxslices"),
         ("densify", "jaxslices"),
+        ("native", "jaxslices"),
     ]
     ratios = [(a, b) for a, b in ratios if a in present and b in present]
     head = (
@@ -589,6 +620,7 @@ def save_plot(rows: list[dict], path: str, env: dict[str, Any]) -> None:
         "floor": "^--",
         "densify": "x:",
         "js_sort": "d-.",
+        "native": "v-",
     }
     for ax, opt in zip(axes, opts, strict=True):
         for p, style in styles.items():

@@ -1,9 +1,15 @@
 """The README's demo: MovieLens-100K when its data package is installed.
 
-Without ``recbole`` (the wheel that carries MovieLens-100K), it says so and
-trains the same model on a small synthetic rating matrix instead.
+Trains the same matrix-factorisation model twice, with jaxslices (sparse
+gradients, ``jaxslices.adagrad``) and with the dense Optax path, prints both
+test RMSEs beside the baselines, then times a step of both paths with the item
+tables grown to a million rows, where sparse gradients matter (see
+``examples/movielens.py``). Takes well under a minute on 2 CPU cores.
 
-Run: ``python examples/demo.py`` (``--epochs`` to change the length).
+Without ``recbole`` (the wheel that carries MovieLens-100K), it says so and
+trains the same model on a synthetic rating matrix instead.
+
+Run: ``python examples/demo.py`` (``--out`` for the plot and JSON directory).
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ def synthetic_ratings(num_users=600, num_items=900, n=60000, rank=4, seed=0) -> 
     }
 
 
-def main(epochs: int = 10, out: str | None = "out", progress: bool = True) -> dict:
+def main(out: str | None = "out", progress: bool = True, **kwargs) -> dict:
+    """Run ``movielens.main(out=out, progress=progress, **kwargs)``, or synthetic."""
     try:
         data.movielens_path()
     except data.DataNotFound as e:
@@ -46,15 +53,18 @@ def main(epochs: int = 10, out: str | None = "out", progress: bool = True) -> di
         original = data.load_movielens
         data.load_movielens = lambda path=None: synthetic_ratings()
         try:
-            return movielens.main(epochs=epochs, out=out, progress=progress)
+            return movielens.main(
+                out=out, progress=progress, dataset="synthetic ratings", **kwargs
+            )
         finally:
             data.load_movielens = original
-    return movielens.main(epochs=epochs, out=out, progress=progress)
+    return movielens.main(out=out, progress=progress, **kwargs)
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--out", default="out")
+    p.add_argument("--out", default="out", help="directory for the plot and JSON")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--no-progress", action="store_true")
     a = p.parse_args()
-    main(a.epochs, a.out)
+    main(a.out, not a.no_progress, epochs=a.epochs)

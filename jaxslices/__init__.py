@@ -5,16 +5,34 @@ A training step that reads an embedding table through
 an :class:`IndexedSlices` gradient of the rows the batch touched; jaxslices'
 Optax transforms keep it sparse and :func:`jaxslices.apply_updates` writes it
 in place, so a step costs what the batch touches, not what the table holds.
+
+Framework layers (optional extras, imported only when used; ``import
+jaxslices`` imports neither Flax nor Equinox):
+
+* :mod:`jaxslices.nnx` (``jaxslices[flax]``): ``Embed``, a drop-in for
+  ``flax.nnx.Embed``, and ``value_and_grad`` / ``grad`` like ``nnx``'s.
+* :mod:`jaxslices.linen` (``jaxslices[flax]``): ``Embed``, a drop-in for
+  ``flax.linen.Embed``.
+* :mod:`jaxslices.equinox` (``jaxslices[equinox]``): ``Embedding``, a drop-in
+  for ``equinox.nn.Embedding``, ``filter_value_and_grad`` / ``filter_grad``
+  and ``apply_updates``.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import sharding as sharding
 from ._conditionality import apply_if_finite as apply_if_finite
+from .accumulate import MultiSteps as MultiSteps
+from .accumulate import MultiStepsState as MultiStepsState
 from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
 from .embedding import check_ids as check_ids
 from .embedding import embedding_bag as embedding_bag
 from .embedding import embedding_lookup as embedding_lookup
+from .sharding import shard_rows as shard_rows
+from .sharding import sharded_init as sharded_init
+from .sharding import sharded_lookup as sharded_lookup
+from .sharding import sharded_update as sharded_update
 from .slices import IndexedSlices as IndexedSlices
 from .slices import coalesce as coalesce
 from .slices import concatenate as concatenate
@@ -58,6 +76,17 @@ from .tree import tree_psum as tree_psum
 from .tree import tree_scale as tree_scale
 from .updates import apply_updates as apply_updates
 
+
+def __getattr__(name: str):
+    # ``jaxslices.native`` (experimental, built on JAX's hijax API) is imported
+    # only when used, so ``import jaxslices`` never touches private JAX names.
+    if name == "native":
+        import importlib
+
+        return importlib.import_module(".native", __name__)
+    raise AttributeError(f"module 'jaxslices' has no attribute {name!r}")
+
+
 try:
     __version__ = version("jaxslices")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
@@ -65,6 +94,8 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "IndexedSlices",
+    "MultiSteps",
+    "MultiStepsState",
     "check_ids",
     "embedding_bag",
     "embedding_lookup",
@@ -112,4 +143,9 @@ __all__ = [
     "ScaleByRssState",
     "ScaleByScheduleState",
     "TraceState",
+    "sharding",
+    "shard_rows",
+    "sharded_init",
+    "sharded_lookup",
+    "sharded_update",
 ]

@@ -1,30 +1,41 @@
-"""Internal: the "tape" that connects embedding lookups to ``value_and_grad``.
+"""Internal: the tap backend of ``value_and_grad`` (the default, and only one).
 
-This is the one small interface behind which the sparse-gradient mechanism
-lives (see ``docs/sparse_gradients.md``). ``embedding_lookup`` asks the active
-tape, if any, to handle a lookup; ``value_and_grad`` runs the loss under a tape
-in one of two modes:
+``value_and_grad`` talks to it through four functions, so that another backend
+(JAX's backward-pass logs, when they ship) is one module with the same four:
 
-* ``discover``: record which parameter leaves are looked up at the loss's top
-  level, with the shapes of their ids; mark leaves seen in nested scopes
-  (``scan``, ``vmap``, ``cond``, inner ``jit``, ``checkpoint``) as dense.
-* ``tap``: replace each recorded lookup by ``stop_gradient(table)[ids] + tap``,
-  so that the cotangent of ``tap`` is exactly the row gradient, and collect the
-  ids.
+* :func:`discover` (``jax.eval_shape``): which float leaves the loss looks up at
+  its top level (or below ``vmap``s only), with the shapes of their ids; leaves
+  looked up in other nested scopes (``scan``, ``cond``, inner ``jit``,
+  ``checkpoint``) are left dense. Returns a :class:`Plan`.
+* :func:`probe` (``jax.make_jaxpr``): each lookup read as
+  ``stop_gradient(table)[ids] + tap``; a table whose jaxpr variable feeds
+  anything else is read some other way and is dropped from the plan.
+* :func:`run`: ``jax.value_and_grad`` with respect to the dense leaves and the
+  taps, each lookup read as ``table[ids] + tap`` (the table is a constant to
+  this differentiation, not to an outer one): the cotangent of a tap is exactly
+  the rows' gradient.
+* :func:`pack`: the taps' cotangents and ids as one ``IndexedSlices`` per table.
 
-A future backend (JAX's backward-pass logs) would replace this module only.
+``embedding_lookup`` reaches the active tape through :func:`lookup`. Active
+tapes live on a per-thread stack: JAX traces in the calling thread (also under
+``jax.jit``) and keeps its own trace state per thread, so concurrent traces in
+several threads never see each other's tapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
+
+from . import _jax_private
+from .slices import IndexedSlices
 
 try:  # public since JAX 0.4.36 (stackless tracing)
     from jax.extend.core import get_opaque_trace_state as _trace_state
@@ -51,7 +62,8 @@ class Tape:
 
     mode: str  # "discover" or "tap"
     candidates: list[Any]  # leaf objects (tracers or arrays), compared with `is`
-    state: Any = None
+    state: Any = None  # opaque token of the loss's top-level trace
+    trace: Any = None  # the trace itself (private JAX; see _jax_private)
     records: list[LookupRecord] = dataclasses.field(default_factory=list)
     nested: set[int] = dataclasses.field(default_factory=set)
     # tap mode
@@ -59,38 +71,62 @@ class Tape:
     taps: list[Any] = dataclasses.field(default_factory=list)
     expected: list[LookupRecord] = dataclasses.field(default_factory=list)
     ids: list[Any] = dataclasses.field(default_factory=list)
+    rows: list[Any] = dataclasses.field(default_factory=list)  # the gathers
     cursor: int = 0
+    # Probe only: read the table through ``stop_gradient`` so that any other use
+    # of it shows in the jaxpr. The differentiating pass reads it directly: the
+    # inner differentiation is only with respect to the taps (the table is a
+    # constant to it), while an outer ``jax.grad``/``jax.jvp`` of the table still
+    # flows through the gather (higher-order AD, gradient penalties, MAML).
+    sever: bool = False
 
-    def leaf_of(self, table: Any) -> int | None:
-        for k, leaf in enumerate(self.candidates):
-            if leaf is table:
-                return k
-        return None
+    def leaves_of(self, table: Any) -> list[int]:
+        """The candidate leaves that are ``table`` (one array may be several)."""
+        return [k for k, leaf in enumerate(self.candidates) if leaf is table]
 
     def lookup(
         self, table: Any, ids: jax.Array, gather: Callable[[Any, jax.Array], Any]
     ) -> Any | None:
-        """Handle a lookup, or return ``None`` to let the caller do a plain one."""
-        k = self.leaf_of(table)
-        if k is None:
+        """Handle a lookup, or return ``None`` to let the caller do a plain one.
+
+        ``ids`` are already mapped into ``[0, V]`` (``V``: padding) and of the
+        index dtype; ``gather(table, ids)`` reads zeros for padding.
+        """
+        ks = self.leaves_of(table)
+        if not ks or (self.mode == "tap" and not self.sparse_leaves.intersection(ks)):
             return None
         if trace_state() == self.state:
-            return self._top_level(k, table, ids, gather)
-        if self.mode == "tap" and k not in self.sparse_leaves:
-            return None
-        return self._maybe_batched(k, table, ids, gather)
+            return self._top_level(ks, table, ids, gather)
+        return self._below_top(ks, table, ids, gather)
 
-    def _maybe_batched(self, k, table, ids, gather):
-        """A lookup below the top level: sparse only directly under one ``vmap``.
+    def _below_top(self, ks, table, ids, gather):
+        """A lookup below the top level: sparse if only ``vmap``s lie between.
 
         A tap closed over by a ``scan`` body or a ``vmap``ped function would
         receive a sum over iterations or batch elements while the ids differ.
-        ``custom_vmap`` hands us the whole batch of ids at the level of the
-        ``vmap`` call; if that level is the loss's top level, the batched lookup
-        is tapped there like any other. Anything else (``scan``, ``cond``, inner
-        ``jit``, ``checkpoint``, nested ``vmap``) falls back to dense.
+        If every trace between this lookup and the loss's top level is a
+        ``jax.vmap`` (Equinox-style per-example code, nested ``vmap``s of any
+        depth and ``in_axes``), the lookup is moved up to the top level:
+
+        * ids batched by none of those ``vmap``s (the same ids for every batch
+          element): the lookup's operations run at the top level already, so
+          it is tapped here (the tap's cotangent is the sum over the batch of
+          identical rows' gradients, which is right);
+        * otherwise a ``custom_vmap`` function, whose batching rule receives
+          the whole batch of ids one level up, where this is repeated.
+
+        Anything else (``scan``, ``cond``, inner ``jit``, ``checkpoint``, an
+        inner ``jax.grad``, or JAX internals unknown to
+        :mod:`jaxslices._jax_private`) falls back to dense.
         """
-        handled: list[bool] = []
+        route = _jax_private.vmap_route(self.trace, ids)
+        if route is None:
+            if self.mode == "tap":  # the earlier passes saw this lookup on top
+                raise RuntimeError(_NONDETERMINISTIC)
+            self.nested.update(ks)
+            return None
+        if not route:
+            return self._top_level(ks, table, ids, gather)
 
         @custom_vmap
         def lookup(ids):
@@ -98,59 +134,245 @@ class Tape:
 
         @lookup.def_vmap
         def rule(axis_size, in_batched, ids):
-            if trace_state() != self.state:
-                return jax.vmap(lambda i: gather(table, i))(ids), True
-            handled.append(True)
-            out = self._top_level(k, table, ids, gather)
+            if trace_state() == self.state:
+                out = self._top_level(ks, table, ids, gather)
+            else:
+                out = self._below_top(ks, table, ids, gather)
             return (gather(table, ids) if out is None else out), True
 
-        out = lookup(ids)
-        if not handled:
-            self.nested.add(k)
-        return out
+        return lookup(ids)
 
-    def _top_level(self, k, table, ids, gather):
+    def _top_level(self, ks, table, ids, gather):
         if self.mode == "discover":
+            # Discovery traces every candidate as its own tracer: one leaf.
             self.records.append(
-                LookupRecord(k, tuple(ids.shape), tuple(table.shape[1:]), table.dtype)
+                LookupRecord(
+                    ks[0], tuple(ids.shape), tuple(table.shape[1:]), table.dtype
+                )
             )
             return None
-        if k not in self.sparse_leaves:
-            return None
+        # One array object may be bound to several leaves ({"user": z, "item": z}):
+        # the lookups come in the order discovery recorded them.
         if self.cursor >= len(self.expected):
             raise RuntimeError(_NONDETERMINISTIC)
         rec = self.expected[self.cursor]
-        if rec.leaf != k or rec.ids_shape != tuple(ids.shape):
+        if rec.leaf not in ks or rec.ids_shape != tuple(ids.shape):
             raise RuntimeError(_NONDETERMINISTIC)
         tap = self.taps[self.cursor]
         self.cursor += 1
         self.ids.append(ids)
-        return gather(jax.lax.stop_gradient(table), ids) + tap
+        if self.sever:
+            table = jax.lax.stop_gradient(table)
+        rows = gather(table, ids)
+        self.rows.append(rows)
+        return rows + tap
 
 
 _NONDETERMINISTIC = (
     "jaxslices.value_and_grad: the loss function made different embedding lookups "
     "on different traces. The loss is traced several times (to discover lookups, "
     "then to differentiate); it must make the same lookups, in the same order and "
-    "with the same id shapes, every time it is traced."
+    "with the same id shapes, every time it is traced. (This also happens when one "
+    "array object is both a differentiated leaf and looked up through a variable "
+    "the loss closes over: pass it as an argument instead.)"
 )
 
-_STACK: list[Tape] = []
+
+class _State(threading.local):
+    """Per-thread stack of active tapes.
+
+    JAX traces a function in the thread that calls it (also under ``jax.jit``),
+    and JAX's own trace state is thread-local, so two threads tracing
+    ``value_and_grad`` at the same time must not see each other's tapes.
+    """
+
+    def __init__(self) -> None:
+        self.stack: list[Tape] = []
 
 
-def current() -> Tape | None:
-    return _STACK[-1] if _STACK else None
+_STATE = _State()
 
 
 @contextmanager
-def active(tape: Tape) -> Iterator[Tape]:
+def _active(tape: Tape) -> Iterator[Tape]:
     tape.state = trace_state()
-    _STACK.append(tape)
+    tape.trace = _jax_private.current_trace()
+    stack = _STATE.stack
+    stack.append(tape)
     try:
         yield tape
     finally:
-        _STACK.pop()
+        stack.pop()
 
 
-def zeros_tap(rec: LookupRecord) -> jax.Array:
+def _zeros_tap(rec: LookupRecord) -> jax.Array:
     return jnp.zeros(rec.ids_shape + rec.row_shape, rec.dtype)
+
+
+def lookup(
+    table: Any, ids: jax.Array, gather: Callable[[Any, jax.Array], Any]
+) -> Any | None:
+    """The active tape's version of a lookup, or ``None`` for a plain one."""
+    stack = _STATE.stack
+    return stack[-1].lookup(table, ids, gather) if stack else None
+
+
+# ------------------------------------------------- the interface value_and_grad uses
+
+Call = Callable[[Sequence[Any]], Any]
+"""Runs the loss with the given values for the differentiated leaves."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The leaves that get sparse gradients and their lookups, in call order."""
+
+    sparse: tuple[int, ...]
+    records: tuple[LookupRecord, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tapped:
+    """What :func:`run` hands to :func:`pack`: one entry per recorded lookup."""
+
+    cts: list[Any]  # the taps' cotangents: the rows' gradients
+    ids: list[Any]  # the ids, in [0, V] (V: padding)
+    rows: list[Any]  # the forward gathers
+
+
+def discover(call: Call, leaves: Sequence[Any], others: Sequence[Any] = ()) -> Plan:
+    """Trace the loss abstractly and record its top-level lookups.
+
+    ``others``: the leaves of the arguments that are not differentiated. A
+    differentiated leaf that is also one of them (the same object) stays dense:
+    the lookups recognise tables by identity, so its two roles could not be
+    told apart.
+    """
+    shared = {id(x) for x in others}
+    candidates = [
+        k
+        for k, x in enumerate(leaves)
+        if hasattr(x, "dtype")
+        and jnp.issubdtype(x.dtype, jnp.inexact)
+        and id(x) not in shared
+    ]
+    tape = Tape("discover", candidates=[])
+
+    def fn(*cands):
+        values = list(leaves)
+        for k, c in zip(candidates, cands, strict=True):
+            values[k] = c
+        tape.candidates = values
+        with _active(tape):
+            call(values)
+
+    if candidates:
+        jax.eval_shape(fn, *[leaves[k] for k in candidates])
+    looked_up = {r.leaf for r in tape.records}
+    sparse = tuple(sorted((looked_up - tape.nested) & set(candidates)))
+    return Plan(sparse, tuple(r for r in tape.records if r.leaf in sparse))
+
+
+def _run_tapped(call, leaves, plan, replace, replacements, taps, sever):
+    """Run the loss with some leaves replaced and the plan's lookups tapped."""
+    values = list(leaves)
+    for k, v in zip(replace, replacements, strict=True):
+        values[k] = v
+    tape = Tape(
+        "tap",
+        candidates=values,
+        sparse_leaves=frozenset(plan.sparse),
+        taps=list(taps),
+        expected=list(plan.records),
+        sever=sever,
+    )
+    with _active(tape):
+        out = call(values)
+    if tape.cursor != len(plan.records):
+        raise RuntimeError(_NONDETERMINISTIC)
+    return out, tape
+
+
+def probe(call: Call, leaves: Sequence[Any], plan: Plan, has_aux: bool) -> Plan:
+    """Keep the tables the loss reads through their lookups only."""
+    if not plan.sparse:
+        return plan
+
+    def fn(tables, taps):
+        out, _ = _run_tapped(call, leaves, plan, plan.sparse, tables, taps, True)
+        return out[0] if has_aux else out
+
+    taps = [_zeros_tap(r) for r in plan.records]
+    closed = jax.make_jaxpr(fn)([leaves[k] for k in plan.sparse], taps)
+    table_vars = closed.jaxpr.invars[: len(plan.sparse)]
+    sparse = tuple(
+        k
+        for k, var in zip(plan.sparse, table_vars, strict=True)
+        if _uses_only_stop_gradient(closed.jaxpr, var)
+    )
+    return Plan(sparse, tuple(r for r in plan.records if r.leaf in sparse))
+
+
+def _uses_only_stop_gradient(jaxpr: Any, var: Any) -> bool:
+    """True if ``var`` feeds nothing but ``stop_gradient`` at top level."""
+    if any(var is v for v in jaxpr.outvars):
+        return False
+    for eqn in jaxpr.eqns:
+        if any(var is v for v in eqn.invars) and eqn.primitive.name != "stop_gradient":
+            return False
+    return True
+
+
+def run(
+    call: Call, leaves: Sequence[Any], plan: Plan, has_aux: bool
+) -> tuple[tuple[Any, Any], dict[int, Any], Tapped]:
+    """Differentiate: ``((value, aux), {dense leaf: gradient}, tapped lookups)``."""
+    dense = [k for k in range(len(leaves)) if k not in plan.sparse]
+    taps = [_zeros_tap(r) for r in plan.records]
+
+    def fn(dense_values, taps):
+        out, tape = _run_tapped(call, leaves, plan, dense, dense_values, taps, False)
+        value, aux = out if has_aux else (out, None)
+        return value, (aux, tape.ids, tape.rows)
+
+    (value, (aux, ids, rows)), (g_dense, g_taps) = jax.value_and_grad(
+        fn, argnums=(0, 1), has_aux=True
+    )([leaves[k] for k in dense], taps)
+    g_dense = dict(zip(dense, g_dense, strict=True))
+    return (value, aux), g_dense, Tapped(g_taps, ids, rows)
+
+
+def pack(plan: Plan, tapped: Tapped, leaves: Sequence[Any]) -> dict[int, IndexedSlices]:
+    """One ``IndexedSlices`` per sparse leaf: its lookups, concatenated."""
+    out = {}
+    for k in plan.sparse:
+        mine = [j for j, r in enumerate(plan.records) if r.leaf == k]
+        out[k] = _pack(
+            [tapped.cts[j] for j in mine],
+            [tapped.ids[j] for j in mine],
+            [tapped.rows[j] for j in mine],
+            tuple(leaves[k].shape),
+        )
+    return out
+
+
+def _pack(cts, ids, rows, shape) -> IndexedSlices:
+    """Concatenate the taps' cotangents and ids (already in ``[0, V]``).
+
+    ``rows`` are the forward gathers of the table (zeros at padding slots).
+    The values are made to depend on them: the padding slots' zeros are taken
+    as ``0 * rows`` there. An in-place update of the table (donated params)
+    then depends on every read of it through the lookups. Without that, a loss
+    linear in the rows has a gradient that does not depend on them, nothing
+    orders the gather before the scatter, and XLA copies the whole table to
+    keep the gather's input alive (``lax.optimization_barrier`` with an unused
+    output does not help: XLA drops it before copy insertion).
+    """
+    num_rows = shape[0]
+    flat_ids = jnp.concatenate([i.reshape(-1) for i in ids])
+    values = jnp.concatenate([r.reshape(-1, *shape[1:]) for r in cts])
+    read = jnp.concatenate([r.reshape(-1, *shape[1:]) for r in rows])
+    valid = flat_ids < num_rows  # padding slots (V) get zero values
+    mask = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
+    values = jnp.where(mask, values, jnp.zeros((), values.dtype) * read)
+    return IndexedSlices(values, flat_ids, shape)

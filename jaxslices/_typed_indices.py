@@ -126,7 +126,7 @@ def wrap(indices: Any, num_rows: int) -> Any:
         if dtype != jnp.int64:
             ids = jax.lax.bitcast_convert_type(ids, jnp.int64)
         words = jax.lax.bitcast_convert_type(ids, jnp.uint32)  # [..., N, 2]
-        return jax.random.wrap_key_data(words, impl=IMPL64)
+        return _with_messages(jax.random.wrap_key_data(words, impl=IMPL64))
     if dtype.itemsize == 8:
         ok = (indices >= 0) & (indices <= num_rows)
         ids = jnp.where(ok, indices, -1).astype(jnp.int32)
@@ -137,7 +137,7 @@ def wrap(indices: Any, num_rows: int) -> Any:
     else:
         ids = indices
     words = jax.lax.bitcast_convert_type(ids, jnp.uint32)
-    return jax.random.wrap_key_data(words[..., None], impl=IMPL32)
+    return _with_messages(jax.random.wrap_key_data(words[..., None], impl=IMPL32))
 
 
 def unwrap(typed: Any) -> Any:
@@ -189,17 +189,30 @@ def _raising(name: str, original: Any) -> Any:
     return method
 
 
-def _install_messages() -> bool:
+def _with_messages(typed: Any) -> Any:
+    """Install the messages on the class of the first concrete typed array.
+
+    Done lazily, not at import: making a concrete array starts JAX's backend,
+    and ``jax.distributed.initialize`` must be able to run after
+    ``import jaxslices``. Tracers are skipped (their class is not the eager one).
+    """
+    global MESSAGES_INSTALLED
+    if MESSAGES_INSTALLED is None and not isinstance(typed, jax.core.Tracer):
+        MESSAGES_INSTALLED = _install_messages(type(typed))
+    return typed
+
+
+def _install_messages(cls: type) -> bool:
     """Make eager abstract methods on our key arrays name IndexedSlices.
 
-    Returns whether the messages were installed (``False`` on an unknown JAX
-    version or class layout: JAX's ``NotImplementedError`` then stays).
+    ``cls`` is the class of a concrete typed-indices array. Returns whether the
+    messages were installed (``False`` on an unknown JAX version or class layout:
+    JAX's ``NotImplementedError`` then stays).
     """
     lo, hi = _KNOWN_JAX
     if not lo <= _jax_version() < hi:
         return False
     try:
-        cls = type(wrap(np.zeros((0,), np.int32), 1))
         if getattr(cls, "_jaxslices_messages", False):
             return True
         names = ["__array__"]
@@ -222,4 +235,6 @@ def _install_messages() -> bool:
         return False
 
 
-MESSAGES_INSTALLED = _install_messages()
+#: ``None`` until the first concrete typed array is made, then whether the
+#: messages could be installed.
+MESSAGES_INSTALLED: bool | None = None

@@ -12,20 +12,33 @@ the primal's shape, so no rule can hand back a row-sparse gradient for a
    lookup rewritten as ``stop_gradient(table)[ids] + tap``. A table whose
    variable feeds anything but ``stop_gradient`` in that jaxpr is also read
    some other way (tied weights, transformed before the lookup, looked up
-   inside ``scan``/``cond``/an inner ``jit``/``checkpoint``/``vmap``): it falls
-   back to JAX's dense gradient, which is always correct.
+   inside ``scan``/``cond``/an inner ``jit``/``checkpoint``): it falls back to
+   JAX's dense gradient, which is always correct. Lookups under ``jax.vmap``
+   (nested too) are moved to the top level and stay sparse.
 3. **Differentiate** ``jax.value_and_grad`` with respect to the dense leaves and
-   the taps, never the sparse tables: the cotangent of each tap is exactly the
-   rows' gradient, which is packed with the ids into an ``IndexedSlices``.
+   the taps, never the sparse tables, with each lookup read as
+   ``table[ids] + tap``: the cotangent of each tap is exactly the rows'
+   gradient, which is packed with the ids into an ``IndexedSlices``. The table
+   is a constant to this inner differentiation but not to an outer one, so
+   ``jax.grad``/``jax.jvp`` on top of these wrappers (gradient penalties, MAML,
+   Hessians) is what it is on top of ``jax.value_and_grad``.
 
-So the loss is traced three times per call (at trace time: under ``jax.jit``
-this happens once per compilation, not per step). It must make the same
-lookups each time it is traced.
+So the loss is traced three times per call when a table gets a sparse
+gradient, and two or three times when every table falls back to dense
+(discover, the probe if there was a lookup, then ``jax.value_and_grad``); a
+loss with no float leaf to differentiate is traced once. This is at trace
+time: under ``jax.jit`` it happens once per compilation, not per step. The
+loss must make the same lookups each time it is traced.
+
+The mechanism lives in ``jaxslices/_tape.py`` (the tap backend), which this
+module uses through four functions: ``discover``, ``probe``, ``run`` and
+``pack``.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,44 +47,37 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _tape
-from .slices import IndexedSlices
 
 __all__ = ["value_and_grad", "grad"]
 
 
 def _argnums_tuple(argnums: int | Sequence[int], nargs: int) -> tuple[int, ...]:
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    """Positive argnums; NumPy integers accepted, as ``jax.value_and_grad`` does."""
+    nums = (argnums,) if _is_index(argnums) else tuple(argnums)
     for i in nums:
-        if not isinstance(i, int) or not -nargs <= i < nargs:
+        if not _is_index(i) or not -nargs <= operator.index(i) < nargs:
             raise ValueError(
                 f"jaxslices.value_and_grad: argnums {argnums!r} out of range for a "
                 f"call with {nargs} positional arguments."
             )
-    return tuple(i % nargs for i in nums)
+    return tuple(operator.index(i) % nargs for i in nums)
 
 
-def _uses_only_stop_gradient(jaxpr: Any, var: Any) -> bool:
-    """True if ``var`` feeds nothing but ``stop_gradient`` at top level."""
-    if any(var is v for v in jaxpr.outvars):
+def _is_index(x: Any) -> bool:
+    try:
+        operator.index(x)
+    except TypeError:
         return False
-    for eqn in jaxpr.eqns:
-        if any(var is v for v in eqn.invars) and eqn.primitive.name != "stop_gradient":
-            return False
-    return True
+    return not isinstance(x, bool)
 
 
-def _pack(
-    rows: list[jax.Array], ids: list[jax.Array], shape: tuple[int, ...]
-) -> IndexedSlices:
-    num_rows = shape[0]
-    idtype = jnp.int32 if num_rows < np.iinfo(np.int32).max else jnp.int64
-    flat_ids = jnp.concatenate([i.reshape(-1).astype(idtype) for i in ids])
-    values = jnp.concatenate([r.reshape(-1, *shape[1:]) for r in rows])
-    valid = (flat_ids >= 0) & (flat_ids < num_rows)
-    flat_ids = jnp.where(valid, flat_ids, num_rows)
-    mask = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
-    values = jnp.where(mask, values, jnp.zeros((), values.dtype))
-    return IndexedSlices(values, flat_ids, shape)
+def _as_jax(x: Any) -> Any:
+    """NumPy leaves become JAX arrays (as ``jax.value_and_grad`` would see them).
+
+    The lookups recognise a table by identity with its leaf, and a NumPy table
+    has no ``.at``: converting once here serves both.
+    """
+    return jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
 
 
 def value_and_grad(
@@ -88,10 +94,15 @@ def value_and_grad(
     batch; out-of-range ids are padding). Every other leaf gets exactly what
     ``jax.value_and_grad`` gives, and so does a table that is also read any other
     way (tied weights, transformed before the lookup, looked up inside ``scan``,
-    ``cond``, ``vmap``, an inner ``jit`` or ``checkpoint``).
+    ``cond``, an inner ``jit`` or ``checkpoint``). Lookups under ``jax.vmap``,
+    nested or not (Equinox-style per-example code), stay sparse.
 
-    The loss is traced three times per call (discover, probe, differentiate);
-    under ``jax.jit`` that cost is paid once per compilation.
+    The loss is traced three times per call (discover, probe, differentiate;
+    two or three when everything falls back to dense); under ``jax.jit`` that
+    cost is paid once per compilation. Any JAX transformation on top of this
+    function (``jax.grad`` of the value, ``jax.jvp``, a gradient penalty, MAML)
+    gives what it gives on top of ``jax.value_and_grad``. Tracing is
+    thread-safe.
 
     Args:
       fun: the loss; returns a scalar, or ``(scalar, aux)`` with ``has_aux``.
@@ -118,6 +129,7 @@ def value_and_grad(
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         nums = _argnums_tuple(argnums, len(args))
         leaves, treedef = jax.tree.flatten([args[i] for i in nums])
+        leaves = [_as_jax(x) for x in leaves]
 
         def call(leaf_values: Sequence[Any]) -> Any:
             new_args = list(args)
@@ -128,93 +140,20 @@ def value_and_grad(
             return fun(*new_args, **kwargs)
 
         def dense_fallback():
-            return jax.value_and_grad(fun, argnums, has_aux)(*args, **kwargs)
+            single = nums[0] if _is_index(argnums) else nums
+            return jax.value_and_grad(fun, single, has_aux)(*args, **kwargs)
 
-        candidates = [
-            k
-            for k, x in enumerate(leaves)
-            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
-        ]
-        if not candidates:
+        others = jax.tree.leaves(
+            ([a for i, a in enumerate(args) if i not in nums], kwargs)
+        )
+        plan = _tape.discover(call, leaves, others)
+        plan = _tape.probe(call, leaves, plan, has_aux)
+        if not plan.sparse:
             return dense_fallback()
-
-        # 1. Discover lookups at the loss's top level.
-        discover = _tape.Tape("discover", candidates=[])
-
-        def discover_fn(*cands):
-            values = list(leaves)
-            for k, c in zip(candidates, cands, strict=True):
-                values[k] = c
-            discover.candidates = values
-            with _tape.active(discover):
-                call(values)
-
-        jax.eval_shape(discover_fn, *[leaves[k] for k in candidates])
-        looked_up = {r.leaf for r in discover.records}
-        sparse = sorted((looked_up - discover.nested) & set(candidates))
-        if not sparse:
-            return dense_fallback()
-        records = [r for r in discover.records if r.leaf in sparse]
-
-        def run_tapped(replace, replacements, taps, sparse, records):
-            """Run the loss with some leaves replaced and sparse lookups tapped."""
-            values = list(leaves)
-            for k, v in zip(replace, replacements, strict=True):
-                values[k] = v
-            tape = _tape.Tape(
-                "tap",
-                candidates=values,
-                sparse_leaves=frozenset(sparse),
-                taps=list(taps),
-                expected=records,
-            )
-            with _tape.active(tape):
-                out = call(values)
-            if tape.cursor != len(records):
-                raise RuntimeError(_tape._NONDETERMINISTIC)
-            return out, tape.ids
-
-        # 2. Probe: is each table read any other way than through its taps?
-        def probe_fn(tables, taps):
-            out, _ = run_tapped(sparse, tables, taps, sparse, records)
-            return out[0] if has_aux else out
-
-        taps = [_tape.zeros_tap(r) for r in records]
-        closed = jax.make_jaxpr(probe_fn)([leaves[k] for k in sparse], taps)
-        table_vars = closed.jaxpr.invars[: len(sparse)]
-        sparse = [
-            k
-            for k, var in zip(sparse, table_vars, strict=True)
-            if _uses_only_stop_gradient(closed.jaxpr, var)
-        ]
-        if not sparse:
-            return dense_fallback()
-        records = [r for r in records if r.leaf in sparse]
-        taps = [_tape.zeros_tap(r) for r in records]
-        dense = [k for k in range(len(leaves)) if k not in sparse]
-
-        # 3. Differentiate w.r.t. the dense leaves and the taps.
-        def diff_fn(dense_values, taps):
-            out, ids = run_tapped(dense, dense_values, taps, sparse, records)
-            if has_aux:
-                value, aux = out
-                return value, (aux, ids)
-            return out, (None, ids)
-
-        (value, (aux, ids)), (g_dense, g_taps) = jax.value_and_grad(
-            diff_fn, argnums=(0, 1), has_aux=True
-        )([leaves[k] for k in dense], taps)
-
-        grads: list[Any] = [None] * len(leaves)
-        for k, g in zip(dense, g_dense, strict=True):
-            grads[k] = g
-        for k in sparse:
-            mine = [j for j, r in enumerate(records) if r.leaf == k]
-            grads[k] = _pack(
-                [g_taps[j] for j in mine], [ids[j] for j in mine], leaves[k].shape
-            )
-        per_arg = jax.tree.unflatten(treedef, grads)
-        g = per_arg[0] if isinstance(argnums, int) else tuple(per_arg)
+        (value, aux), g_dense, tapped = _tape.run(call, leaves, plan, has_aux)
+        grads = {**g_dense, **_tape.pack(plan, tapped, leaves)}
+        per_arg = jax.tree.unflatten(treedef, [grads[k] for k in range(len(leaves))])
+        g = per_arg[0] if _is_index(argnums) else tuple(per_arg)
         return ((value, aux) if has_aux else value), g
 
     return wrapped

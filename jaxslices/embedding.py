@@ -4,31 +4,74 @@ Ids policy (forward and backward agree): an id outside ``[0, V)`` (negative or
 ``>= V``, with ``V = table.shape[0]``) reads a row of zeros and receives no
 gradient; in a sparse gradient its slot is padding (index ``V``). JAX's own
 ``table[ids]`` would instead clamp out-of-range ids to the last row and wrap
-negative ones from the end, reading (and training) rows nobody asked for. Pass
-``check_ids=True`` to raise an error instead, also under ``jax.jit``.
+negative ones from the end, reading (and training) rows nobody asked for. Ids
+of any integer dtype are range-checked in their own dtype before being cast to
+the index dtype (``int32``, ``int64`` for tables of ``2**31`` rows or more).
+
+Pass ``check_ids=True`` (or call :func:`check_ids`) to raise an error instead.
+The message names the function you called and gives how many of your ids are
+out of range and their min and max (your ids as passed: for
+:func:`embedding_bag`, the non-padding ones). What to catch:
+
+* concrete ids (NumPy arrays, lists, JAX arrays outside any transformation):
+  ``ValueError``, raised at the call;
+* traced ids (under ``jax.jit``, and other transformations that trace the ids):
+  the check runs on the device through ``jax.debug.callback`` and JAX raises
+  ``jax.errors.JaxRuntimeError`` (a ``RuntimeError``) with the message, when
+  the result is computed: catch it around the jitted call and
+  ``jax.block_until_ready`` of its result.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
-from . import _tape
+from . import _backend, _tape
 
 __all__ = ["embedding_lookup", "embedding_bag", "check_ids"]
 
 
-def _safe_ids(ids: jax.Array, num_rows: int) -> jax.Array:
-    ids = ids.astype(jnp.int32 if num_rows < np.iinfo(np.int32).max else jnp.int64)
-    return jnp.where((ids >= 0) & (ids < num_rows), ids, num_rows)
+def _index_dtype(num_rows: int) -> Any:
+    """The dtype of ids inside jaxslices: int32 unless the table needs int64."""
+    return jnp.int32 if num_rows < np.iinfo(np.int32).max else jnp.int64
 
 
-def _gather(table: jax.Array, ids: jax.Array) -> jax.Array:
-    """``table[ids]`` with invalid ids reading zeros (no clamping, no wrapping)."""
-    return table.at[_safe_ids(ids, table.shape[0])].get(mode="fill", fill_value=0)
+def _valid(ids: Any, num_rows: int) -> Any:
+    """``0 <= ids < num_rows``, computed in the ids' own dtype (no narrowing)."""
+    xp = np if isinstance(ids, np.ndarray) else jnp
+    info = np.iinfo(ids.dtype)
+    valid = ids >= 0 if info.min < 0 else xp.ones(ids.shape, bool)
+    if num_rows <= info.max:  # else every non-negative id of this dtype is valid
+        valid = valid & (ids < num_rows)
+    return valid
+
+
+def _safe_ids(ids: Any, num_rows: int) -> jax.Array:
+    """Ids in the index dtype with every invalid id (range-checked first) set to V.
+
+    NumPy ids are mapped in NumPy, before JAX's conversion could narrow them
+    (without ``jax_enable_x64``, ``jnp.asarray`` wraps int64 ``2**32 + 1`` to 1).
+    """
+    if isinstance(ids, np.ndarray):
+        return jnp.asarray(
+            np.where(_valid(ids, num_rows), ids, num_rows).astype(
+                _index_dtype(num_rows)
+            )
+        )
+    return jnp.where(
+        _valid(ids, num_rows), ids.astype(_index_dtype(num_rows)), num_rows
+    )
+
+
+def _gather(table: jax.Array, safe_ids: jax.Array) -> jax.Array:
+    """``table[ids]`` for ids from :func:`_safe_ids`: padding (V) reads zeros."""
+    return table.at[safe_ids].get(mode="fill", fill_value=0)
 
 
 @jax.custom_vjp
@@ -45,59 +88,130 @@ def _lookup_fwd(table, ids):
 def _lookup_bwd(res, ct):
     table, ids = res
     grad = jnp.zeros(table.shape, ct.dtype)
-    grad = grad.at[_safe_ids(ids, table.shape[0])].add(ct, mode="drop")
+    grad = grad.at[ids].add(ct, mode="drop")
     return grad.astype(table.dtype), None
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
-def _raise_bad_ids(bad: np.ndarray, lo: np.ndarray, hi: np.ndarray, num_rows: int):
-    if bool(bad):
+def _bad_ids_message(where: str, num_rows: int, n_bad: int, lo: int, hi: int) -> str:
+    return (
+        f"{where}: ids must be in [0, {num_rows}) for a table with {num_rows} rows; "
+        f"{n_bad} {'id is' if n_bad == 1 else 'ids are'} out of range (the ids "
+        f"checked have min {lo} and max {hi}). Out-of-range ids would read zeros "
+        "and get no gradient; fix the ids, or pass check_ids=False to treat them "
+        "as padding."
+    )
+
+
+def _raise_bad_ids(n_bad, lo, hi, *, num_rows: int, where: str) -> None:
+    if int(n_bad):
         raise ValueError(
-            f"embedding_lookup(check_ids=True): ids must be in [0, {num_rows}) for a "
-            f"table with {num_rows} rows, got ids with min {int(lo)} and max "
-            f"{int(hi)}. Out-of-range ids would read zeros and get no gradient."
+            _bad_ids_message(where, num_rows, int(n_bad), int(lo), int(hi))
         )
 
 
-def check_ids(ids: jax.Array, num_rows: int) -> None:
-    """Raise ``ValueError``, also under ``jit``, for an id outside ``[0, num_rows)``.
+def _has_tracer(x: Any) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
 
-    Under ``jit`` the error surfaces when the result is computed (a host
-    callback raises it), wrapped in JAX's runtime error with this message.
+
+def _check_ids(ids: Any, num_rows: int, where: str, counted: Any = None) -> None:
+    """Check ``ids`` (the caller's own, before any remapping or narrowing).
+
+    ``counted`` (bool, like ``ids``) excludes slots from the check (padding).
+    Concrete ids are checked at once (``ValueError``); traced ids through a host
+    callback, which JAX re-raises as ``jax.errors.JaxRuntimeError``.
+    """
+    if ids.size == 0:
+        return
+    if not isinstance(ids, jax.core.Tracer) and not _has_tracer(counted):
+        ids = np.asarray(ids)
+        counted = np.ones(ids.shape, bool) if counted is None else np.asarray(counted)
+        bad = counted & ~_valid(ids, num_rows)
+        if bad.any():
+            checked = ids[counted]
+            raise ValueError(
+                _bad_ids_message(
+                    where,
+                    num_rows,
+                    int(bad.sum()),
+                    int(checked.min()),
+                    int(checked.max()),
+                )
+            )
+        return
+    counted = jnp.ones(ids.shape, bool) if counted is None else jnp.asarray(counted)
+    info = jnp.iinfo(ids.dtype)
+    bad = counted & ~_valid(ids, num_rows)
+    lo = jnp.min(jnp.where(counted, ids, jnp.array(info.max, ids.dtype)))
+    hi = jnp.max(jnp.where(counted, ids, jnp.array(info.min, ids.dtype)))
+    jax.debug.callback(
+        functools.partial(_raise_bad_ids, num_rows=num_rows, where=where),
+        jnp.sum(bad),
+        lo,
+        hi,
+        ordered=False,
+    )
+
+
+def check_ids(ids: ArrayLike, num_rows: int) -> None:
+    """Raise an error if an id is outside ``[0, num_rows)``, also under ``jit``.
+
+    The message gives the ids' min and max and how many are out of range,
+    computed on the ids as given (before any narrowing to the index dtype).
+    Concrete ids (NumPy, lists, JAX arrays outside ``jit``) raise ``ValueError``
+    at once. Traced ids (under ``jax.jit``) are checked by a host callback when
+    the step runs, and JAX raises ``jax.errors.JaxRuntimeError`` (a
+    ``RuntimeError``) carrying this message: catch that type around the jitted
+    call (and ``jax.block_until_ready`` its result).
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
       >>> jaxslices.check_ids(jnp.array([0, 4]), num_rows=5)  # fine
+      >>> jaxslices.check_ids([0, 7, -1], num_rows=5)
+      Traceback (most recent call last):
+      ...
+      ValueError: check_ids: ids must be in [0, 5) for a table with 5 rows; 2 ids ...
     """
-    ids = jnp.asarray(ids)
-    if ids.size == 0:
-        return
-    bad = jnp.any((ids < 0) | (ids >= num_rows))
-    jax.debug.callback(
-        _raise_bad_ids, bad, jnp.min(ids), jnp.max(ids), num_rows, ordered=False
-    )
+    _check_ids(_as_ids(ids, "check_ids"), num_rows, "check_ids")
 
 
-_check_ids = check_ids
+def _as_ids(ids: Any, where: str) -> Any:
+    """Integer ids as a JAX array, or (concrete inputs) a NumPy array.
+
+    NumPy arrays, lists and NumPy scalars stay in NumPy so that the range
+    check happens before JAX's conversion could narrow them.
+    """
+    if not isinstance(ids, jax.Array):
+        ids = jnp.asarray(ids) if _has_tracer(ids) else np.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(
+            f"{where}: `ids` must be integers, got {jnp.dtype(ids.dtype).name}"
+            f"{list(ids.shape)}. Cast them, e.g. `ids.astype(jnp.int32)`."
+        )
+    return ids
 
 
-def _check_lookup_args(table: Any, ids: Any, where: str) -> tuple[Any, jax.Array]:
-    if not hasattr(table, "shape") or not hasattr(table, "dtype"):
+def _prepare(table: Any, ids: Any, where: str) -> tuple[Any, Any, int, Any]:
+    """Validate the arguments: ``(table, ids, num_rows, handler)``.
+
+    BACKEND HOOK: a lookup handler registered in :mod:`jaxslices._backend`
+    (e.g. the opt-in native backend's table type) may claim ``table``; its
+    ``lookup`` then replaces the default path in :func:`_lookup_rows`. This
+    is the one place where lookups consult another backend.
+    """
+    handler = _backend.handler_for(table)
+    if handler is not None:
+        return table, _as_ids(ids, where), int(handler.num_rows(table)), handler
+    if not isinstance(table, jax.Array):  # NumPy arrays, lists
         table = jnp.asarray(table)
     if table.ndim < 1:
         raise ValueError(
             f"{where}: `table` must have at least one dimension (rows), got a "
             f"scalar of shape {tuple(table.shape)}."
         )
-    ids = jnp.asarray(ids)
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise TypeError(
-            f"{where}: `ids` must be integers, got {jnp.dtype(ids.dtype).name}"
-            f"{list(ids.shape)}. Cast them, e.g. `ids.astype(jnp.int32)`."
-        )
-    return table, ids
+    return table, _as_ids(ids, where), table.shape[0], None
 
 
 def embedding_lookup(
@@ -130,13 +244,24 @@ def embedding_lookup(
       Array([[[6., 7.],
               [0., 1.]]], dtype=float32)
     """
-    table, ids = _check_lookup_args(table, ids, "embedding_lookup")
+    table, ids, num_rows, handler = _prepare(table, ids, "embedding_lookup")
     if check_ids:
-        _check_ids(ids, table.shape[0])
-    tape = _tape.current()
-    out = tape.lookup(table, ids, _gather) if tape is not None else None
-    if out is None:
-        out = _lookup(table, ids)
+        _check_ids(ids, num_rows, "embedding_lookup(check_ids=True)")
+    return _lookup_rows(table, _safe_ids(ids, num_rows), dtype, handler)
+
+
+def _lookup_rows(table: Any, safe_ids: jax.Array, dtype: Any, handler: Any) -> Any:
+    """The lookup proper, on ids from :func:`_safe_ids`.
+
+    A claimed table goes to its backend's handler; an array to the tap backend
+    (active under ``value_and_grad``, else ``None``), then the plain lookup.
+    """
+    if handler is not None:
+        out = handler.lookup(table, safe_ids)
+    else:
+        out = _tape.lookup(table, safe_ids, _gather)
+        if out is None:
+            out = _lookup(table, safe_ids)
     if dtype is not None:
         out = out.astype(dtype)
     return out
@@ -183,7 +308,7 @@ def embedding_bag(
       >>> jaxslices.embedding_bag(table, jnp.array([[0, 2, 9]]), padding_id=9)
       Array([[3.]], dtype=float32)
     """
-    table, ids = _check_lookup_args(table, ids, "embedding_bag")
+    table, ids, num_rows, handler = _prepare(table, ids, "embedding_bag")
     if combiner not in _COMBINERS:
         raise ValueError(
             f"embedding_bag: `combiner` must be one of {_COMBINERS}, got {combiner!r}."
@@ -200,16 +325,21 @@ def embedding_bag(
                 "embedding_bag: `weights` must have the shape of `ids` "
                 f"{tuple(ids.shape)}, got {tuple(weights.shape)}."
             )
-    num_rows = table.shape[0]
-    if padding_id is not None:
-        present = ids != padding_id
-        # Padding reads zeros and gets no gradient: send it out of range.
-        ids = jnp.where(present, _safe_ids(ids, num_rows), num_rows)
-    else:
-        present = jnp.ones(ids.shape, bool)
+    info = np.iinfo(ids.dtype)
+    if padding_id is not None and info.min <= padding_id <= info.max:
+        present = ids != padding_id  # on the caller's own ids
+    else:  # no padding, or a padding id that no id of this dtype can equal
+        present = None
     if check_ids:
-        _check_ids(jnp.where(present, ids, 0), num_rows)
-    rows = embedding_lookup(table, ids, dtype=dtype)
+        _check_ids(ids, num_rows, "embedding_bag(check_ids=True)", counted=present)
+    safe = _safe_ids(ids, num_rows)
+    if present is None:
+        present = jnp.ones(ids.shape, bool)
+    else:
+        # Padding reads zeros and gets no gradient: send it out of range.
+        present = jnp.asarray(present)
+        safe = jnp.where(present, safe, num_rows)
+    rows = _lookup_rows(table, safe, dtype, handler)
     compute = rows.dtype
     w = present.astype(compute)
     if weights is not None:

@@ -112,8 +112,29 @@ def _check_integer_indices(indices: Any, where: str) -> None:
         )
 
 
+class _IndexedSlicesType(type):
+    """Metaclass whose only job is the class's repr in other libraries' errors.
+
+    Generic pytree code that assumes dense gradients (``optax.MultiSteps``
+    keeps a dense accumulator per parameter, ``optax.adam`` dense moments)
+    fails on an ``IndexedSlices`` with JAX's "pytree structure error ...
+    subtree of type <class ...>"; this repr makes that message say what to use.
+    """
+
+    def __repr__(cls) -> str:
+        if cls.__name__ != "IndexedSlices":
+            return super().__repr__()
+        return (
+            "<class 'jaxslices.IndexedSlices'> (a sparse gradient; code that "
+            "expects a dense array there cannot take it: use jaxslices.MultiSteps "
+            "for gradient accumulation, jaxslices.tree_add/tree_scale/tree_psum "
+            "for tree arithmetic, jaxslices transforms for optimizers, or "
+            "jaxslices.to_dense)"
+        )
+
+
 @jax.tree_util.register_pytree_with_keys_class
-class IndexedSlices:
+class IndexedSlices(metaclass=_IndexedSlicesType):
     """Row-sparse representation of a dense array: rows ``values`` at ``indices``.
 
     Represents ``jnp.zeros(dense_shape).at[indices].add(values)``. Duplicate
@@ -178,9 +199,10 @@ class IndexedSlices:
                 f"{tuple(values.shape)} (rows of shape {tuple(values.shape[1:])}) "
                 f"for dense_shape {dense_shape}."
             )
-        if not typed and dense_shape[0] > jnp.iinfo(indices.dtype).max:
+        plain = _typed_indices.unwrap(indices) if typed else indices
+        if dense_shape[0] > jnp.iinfo(plain.dtype).max:
             raise ValueError(
-                f"IndexedSlices: indices of dtype {jnp.dtype(indices.dtype).name} "
+                f"IndexedSlices: indices of dtype {jnp.dtype(plain.dtype).name} "
                 f"cannot hold the padding index dense_shape[0] = {dense_shape[0]}; "
                 "use a wider integer dtype such as int32."
             )

@@ -1,10 +1,12 @@
 """Every example runs with tiny settings and reports sensible metrics."""
 
 import importlib
+import json
 import math
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -39,13 +41,44 @@ def test_quickstart():
 @needs_recbole
 def test_movielens_tiny(tmp_path):
     movielens = importlib.import_module("movielens")
-    r = movielens.main(epochs=1, max_steps=25, out=str(tmp_path), progress=False)
+    r = movielens.main(
+        epochs=1,
+        max_steps=25,
+        out=str(tmp_path),
+        progress=False,
+        big_rows=5000,
+        speed_steps=8,
+    )
     for path in ("sparse", "dense"):
         assert math.isfinite(r[path]["test_rmse"]) and r[path]["steps"] == 25
-    # Adagrad is exact on both paths: same model, same numbers.
-    assert r["sparse"]["test_rmse"] == pytest.approx(r["dense"]["test_rmse"], abs=1e-3)
+    # Adagrad is exact on both paths: same model, same numbers, same curve.
+    assert r["sparse"]["test_rmse"] == pytest.approx(r["dense"]["test_rmse"], abs=1e-4)
+    assert r["max_loss_gap"] < 1e-4 and r["large"]["max_loss_gap"] < 1e-4
     assert r["global_mean_rmse"] > r["item_mean_rmse"] > 0.9
+    big = r["large"]
+    assert big["item_rows"] == 5000 and big["steps"] == 8
+    assert big["speedup"] == pytest.approx(
+        big["dense"]["median_step_ms"] / big["sparse"]["median_step_ms"]
+    )
     assert (tmp_path / "movielens.png").stat().st_size > 1000
+    record = json.loads((tmp_path / "movielens.json").read_text())
+    assert record["sparse"]["test_rmse"] == r["sparse"]["test_rmse"]
+    assert record["settings"]["batch_size"] == 512
+    assert record["environment"]["jax"] == jax.__version__
+
+
+def test_committed_demo_results_are_a_demo_run():
+    """docs/examples.md quotes this file (via benchmarks/render_docs.py)."""
+    path = EXAMPLES.parent / "benchmarks" / "results" / "movielens" / "movielens.json"
+    r = json.loads(path.read_text())
+    assert r["dataset"] == "MovieLens-100K" and r["num_ratings"] == 100_000
+    assert r["sparse"]["steps"] == r["dense"]["steps"] > 1000
+    assert r["max_loss_gap"] < 1e-4
+    # The claims the docs make: parity, clearly better than the item-mean
+    # baseline, and the speed-up where tables are large.
+    assert abs(r["sparse"]["test_rmse"] - r["dense"]["test_rmse"]) < 1e-3
+    assert r["sparse"]["test_rmse"] < r["item_mean_rmse"] - 0.05
+    assert r["large"]["item_rows"] >= 2**20 and r["large"]["speedup"] > 10
 
 
 @needs_recbole
@@ -79,9 +112,12 @@ def test_demo_falls_back_to_synthetic_data(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(
         movielens, "main", lambda **kw: real_main(**{**kw, "max_steps": 10})
     )
-    r = demo.main(epochs=1, out=str(tmp_path), progress=False)
+    r = demo.main(
+        out=str(tmp_path), progress=False, epochs=1, big_rows=3000, speed_steps=6
+    )
     assert "synthetic ratings" in capsys.readouterr().out
     assert math.isfinite(r["sparse"]["test_rmse"])
+    assert r["dataset"] == "synthetic ratings" and r["num_items"] == 900
 
 
 @needs_gensim

@@ -9,11 +9,12 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 
 
-def test_there_are_three_notebooks():
+def test_there_are_four_notebooks():
     assert [p.name for p in NOTEBOOKS] == [
         "01_indexed_slices.ipynb",
         "02_movielens.ipynb",
         "03_word2vec.ipynb",
+        "04_flax_nnx.ipynb",
     ]
 
 

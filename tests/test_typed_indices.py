@@ -39,9 +39,9 @@ def params():
     return {"emb": jnp.zeros((9, 3)), "w": jnp.zeros(3)}
 
 
-def raises_naming(fix: str):
-    """``TypeError`` naming IndexedSlices and the jaxslices alternative ``fix``."""
-    return pytest.raises(TypeError, match=rf"IndexedSlices(.|\n)*{fix}")
+def raises_naming(fix: str, error=TypeError):
+    """``error`` naming IndexedSlices and the jaxslices alternative ``fix``."""
+    return pytest.raises(error, match=rf"IndexedSlices(.|\n)*{fix}")
 
 
 JIT = [False, True]
@@ -82,8 +82,11 @@ def test_psum_raises(reduce):
 @pytest.mark.parametrize("use_jit", JIT)
 def test_optax_global_norm_raises(use_jit):
     # Before: optax.global_norm counted the indices (49.7 instead of 0.84).
+    # Under jit JAX 0.5.3 raises ValueError ("Cannot interpret key<...> as a
+    # data type"), later versions TypeError; both name the tag.
+    error = (TypeError, ValueError) if use_jit else TypeError
     for norm in (optax.global_norm, optax.tree.norm):
-        with raises_naming(r"jaxslices\.global_norm"):
+        with raises_naming(r"jaxslices\.global_norm", error):
             maybe_jit(norm, use_jit)(grads())
 
 
@@ -261,11 +264,8 @@ def test_unwrap_compiles_to_nothing():
     b = jax.jit(plain).lower(table, s.values, s.indices).compile().as_text()
     # Same kernels: the unwrapping bit cast is fused into the index masking
     # (typed indices arrive as their uint32 words).
-    assert (
-        kernels(a)
-        == kernels(b)
-        == ["parameter"] * 3 + ["copy", "bitcast"] + ["fusion"] * 2
-    )
+    assert kernels(a) == kernels(b)
+    assert "fusion" in kernels(a) and "bitcast-convert" not in kernels(a)
 
 
 def test_unflatten_with_plain_leaves_is_refused_by_consumers():
@@ -282,9 +282,12 @@ def test_typed_indices_accepted_by_the_constructor():
     child = jax.tree.leaves(s)[1]
     t = IndexedSlices(jnp.zeros((2, 1)), child, (3, 1))
     assert t._indices is child
+    with pytest.raises(ValueError, match="int32 cannot hold the padding index"):
+        IndexedSlices(jnp.zeros((2, 1)), child, (2**31 + 10, 1))
 
 
 def test_eager_messages_installed_on_this_jax():
+    IndexedSlices(jnp.ones((1, 1)), jnp.array([0]), (2, 1))  # installs lazily
     assert _typed_indices.MESSAGES_INSTALLED
     # Other keys keep JAX's own behaviour.
     key = jax.random.key(0)

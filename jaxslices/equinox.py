@@ -1,0 +1,186 @@
+"""Equinox: an ``Embedding`` with sparse gradients, filtered gradients, updates.
+
+Stock ``equinox.nn.Embedding`` reads its table with ``self.weight[x]``, so
+every gradient transform gives it a dense ``(num_embeddings, embedding_size)``
+gradient. This module gives an Equinox user the same idioms, sparse:
+
+* :class:`Embedding`: ``eqx.nn.Embedding`` (a subclass: same fields
+  ``num_embeddings``, ``embedding_size``, ``weight``, same constructor and
+  call on one scalar id) whose lookup is :func:`jaxslices.embedding_lookup`.
+* :func:`filter_value_and_grad` / :func:`filter_grad`: ``eqx.filter_value_and_grad``
+  / ``eqx.filter_grad`` (differentiate the first argument's inexact arrays,
+  ``None`` elsewhere) on top of :func:`jaxslices.value_and_grad`, so the
+  table's gradient is an :class:`~jaxslices.IndexedSlices`.
+* :func:`apply_updates`: ``eqx.apply_updates`` for update trees that hold
+  ``IndexedSlices`` (a row scatter-add for those leaves). ``eqx.apply_updates``
+  itself maps over the updates tree, so it sees an ``IndexedSlices`` as two
+  leaves and fails with a tree-structure error: use this one.
+
+Per-example models work as in Equinox and stay sparse:
+``jax.vmap(self.embedding)(ids)`` inside a loss, ``jax.vmap(model)(batch)``
+whose ``__call__`` looks up one id per example, and both at once
+(``jax.vmap(model)`` with an inner ``jax.vmap(self.embedding)``: nested
+``vmap``).
+
+Import it as ``import jaxslices.equinox`` (needs ``pip install
+"jaxslices[equinox]"``); ``import jaxslices`` alone never imports Equinox.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from . import autodiff, updates
+from ._layers import integer_ids, wrap_negative
+from .embedding import embedding_lookup
+from .slices import IndexedSlices
+
+__all__ = ["Embedding", "filter_value_and_grad", "filter_grad", "apply_updates"]
+
+
+class Embedding(eqx.nn.Embedding):
+    """``equinox.nn.Embedding`` whose table gets a sparse gradient.
+
+    Same fields (``num_embeddings``, ``embedding_size``, ``weight``) and
+    constructor (``num_embeddings=..., embedding_size=..., key=...`` or
+    ``weight=...``, ``dtype``) as ``eqx.nn.Embedding``; calling it with one
+    scalar id returns that row, read through :func:`jaxslices.embedding_lookup`.
+    Under :func:`filter_value_and_grad` (or :func:`jaxslices.value_and_grad`)
+    ``weight`` then gets an :class:`~jaxslices.IndexedSlices` gradient; under
+    ``eqx.filter_grad``, the stock dense one.
+
+    Ids: negative ids count from the end, as in the stock layer; an id
+    ``>= num_embeddings`` or ``< -num_embeddings`` reads zeros and gets no
+    gradient (the stock layer clamps it to the first or last row).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxslices.equinox as jse
+      >>> emb = jse.Embedding(100, 4, key=jax.random.key(0))
+      >>> emb(jnp.array(7)).shape
+      (4,)
+      >>> loss = lambda m, ids: jnp.sum(jax.vmap(m)(ids) ** 2)
+      >>> jse.filter_grad(loss)(emb, jnp.array([6, 1, 1])).weight
+      IndexedSlices(float32[100, 4], rows=3)
+    """
+
+    def __call__(self, x: Any, *, key: Any = None) -> jax.Array:
+        """Row ``x`` of the table (``x`` a scalar integer); ``key`` is ignored."""
+        if not (eqx.is_array_like(x) and jnp.shape(x) == ()):
+            raise ValueError(
+                "jaxslices.equinox.Embedding()(x) should be called with a scalar "
+                f"index `x`, got shape {jnp.shape(x)}. Use `jax.vmap` to look up "
+                "several ids, e.g. `jax.vmap(embedding)(ids)`: it stays sparse."
+            )
+        x = integer_ids(x, "jaxslices.equinox.Embedding")
+        return embedding_lookup(self.weight, wrap_negative(x, self.num_embeddings))
+
+
+def filter_value_and_grad(
+    fun: Callable[..., Any], *, has_aux: bool = False
+) -> Callable[..., Any]:
+    """``eqx.filter_value_and_grad`` with sparse gradients for embedding tables.
+
+    Differentiates ``fun`` with respect to the inexact arrays of its first
+    argument (other leaves get ``None``), as Equinox does; a table read only
+    through :func:`jaxslices.embedding_lookup` (e.g. by :class:`Embedding`)
+    gets an :class:`~jaxslices.IndexedSlices` gradient, every other leaf
+    exactly what ``eqx.filter_value_and_grad`` gives. The loss is traced three
+    times (see :func:`jaxslices.value_and_grad`). Apply the updates with
+    :func:`apply_updates`.
+
+    Args:
+      fun: ``fun(model, *args, **kwargs)``, returning a scalar, or
+        ``(scalar, aux)`` with ``has_aux``.
+      has_aux: as in ``eqx.filter_value_and_grad``.
+
+    Returns:
+      A function returning ``(value, grads)`` or ``((value, aux), grads)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxslices.equinox as jse
+      >>> emb = jse.Embedding(10, 2, key=jax.random.key(0))
+      >>> loss = lambda m, ids: jnp.sum(jax.vmap(m)(ids))
+      >>> value, grads = jse.filter_value_and_grad(loss)(emb, jnp.array([3, 3]))
+      >>> grads.weight.to_dense()[3]
+      Array([2., 2.], dtype=float32)
+    """
+
+    @functools.wraps(fun)
+    def wrapper(x: Any, /, *args: Any, **kwargs: Any) -> Any:
+        diff, static = eqx.partition(x, eqx.is_inexact_array)
+
+        def call(diff: Any, static: Any, *args: Any, **kwargs: Any) -> Any:
+            return fun(eqx.combine(diff, static), *args, **kwargs)
+
+        return autodiff.value_and_grad(call, has_aux=has_aux)(
+            diff, static, *args, **kwargs
+        )
+
+    return wrapper
+
+
+def filter_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable:
+    """``eqx.filter_grad`` with sparse gradients; see :func:`filter_value_and_grad`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxslices.equinox as jse
+      >>> emb = jse.Embedding(10, 2, key=jax.random.key(0))
+      >>> jse.filter_grad(lambda m: m(jnp.array(4)).sum())(emb).weight.indices
+      Array([4], dtype=int32)
+    """
+    vg = filter_value_and_grad(fun, has_aux=has_aux)
+
+    @functools.wraps(fun)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        out, g = vg(*args, **kwargs)
+        return (g, out[1]) if has_aux else g
+
+    return wrapper
+
+
+def _is_update_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, IndexedSlices)
+
+
+def _apply_one(u: Any, p: Any) -> Any:
+    if u is None:
+        return p
+    if isinstance(u, IndexedSlices):
+        return updates.apply_updates(p, u)
+    return p + u
+
+
+def apply_updates(model: Any, updates: Any) -> Any:
+    """``eqx.apply_updates`` for update trees holding ``IndexedSlices``.
+
+    As in Equinox, ``updates`` is a prefix of ``model``: a ``None`` update
+    leaves its part of the model unchanged and a dense update is added
+    (``model + update``). An :class:`~jaxslices.IndexedSlices` update is
+    scatter-added into its table in the table's dtype, as
+    :func:`jaxslices.apply_updates` does (in place under ``jax.jit`` /
+    ``eqx.filter_jit`` with the model donated).
+
+    Args:
+      model: an Equinox module or any pytree.
+      updates: a prefix of ``model``: arrays, ``IndexedSlices`` or ``None``.
+
+    Returns:
+      The updated model.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxslices, jaxslices.equinox as jse
+      >>> emb = jse.Embedding(weight=jnp.zeros((3, 2)))
+      >>> g = jse.filter_grad(lambda m: m(jnp.array(1)).sum())(emb)
+      >>> jse.apply_updates(emb, jax.tree.map(
+      ...     lambda s: -s, g, is_leaf=jaxslices.is_indexed_slices)).weight
+      Array([[ 0.,  0.],
+             [-1., -1.],
+             [ 0.,  0.]], dtype=float32)
+    """
+    return jax.tree.map(_apply_one, updates, model, is_leaf=_is_update_leaf)

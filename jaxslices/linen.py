@@ -1,0 +1,74 @@
+"""Flax Linen: an ``Embed`` layer whose table gets a sparse gradient.
+
+Stock ``flax.linen.Embed`` reads its table with ``jnp.take``, so the gradient
+of a ``model.apply`` loss holds a dense ``(num_embeddings, features)`` array
+for it, whichever gradient function is used. :class:`Embed` is the same module
+(a subclass: same fields, parameter name ``"embedding"``, initialisation and
+``attend``) whose ``__call__`` reads the table through
+:func:`jaxslices.embedding_lookup`. Differentiate the usual Linen loss with
+:func:`jaxslices.value_and_grad` and the ``"embedding"`` leaf of the params
+gradient is an :class:`~jaxslices.IndexedSlices`::
+
+    def loss(params, ids, y):
+        return jnp.mean((model.apply({"params": params}, ids) - y) ** 2)
+
+    value, grads = jaxslices.value_and_grad(loss)(params, ids, y)
+
+The lookup must see the params leaf itself: pass ``{"params": params}`` (or
+the variables dict) straight to ``apply``, without transforming the table
+first (a table cast or scaled before ``apply`` gets its exact dense gradient).
+
+Import it as ``import jaxslices.linen`` (needs ``pip install "jaxslices[flax]"``);
+``import jaxslices`` alone never imports Flax.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from ._layers import integer_ids, wrap_negative
+from .embedding import embedding_lookup
+
+__all__ = ["Embed"]
+
+
+class Embed(nn.Embed):
+    """``flax.linen.Embed`` whose table gets a sparse gradient.
+
+    Same fields as ``flax.linen.Embed`` (``num_embeddings``, ``features``,
+    ``dtype``, ``param_dtype``, ``embedding_init``, ``promote_dtype``), same
+    ``"embedding"`` parameter and ``attend``; ``__call__`` reads the table
+    through :func:`jaxslices.embedding_lookup`, so under
+    :func:`jaxslices.value_and_grad` of a ``model.apply`` loss the table's
+    gradient is an :class:`~jaxslices.IndexedSlices` (under ``jax.grad``: the
+    stock layer's dense gradient). A table also read another way (``attend``
+    for tied embeddings) gets the exact dense gradient.
+
+    Ids: negative ids count from the end, as in the stock layer; an id
+    ``>= num_embeddings`` or ``< -num_embeddings`` reads zeros and gets no
+    gradient (the stock layer reads NaN). With ``num_embeddings == 1`` every id
+    reads row 0, as in the stock layer. ``promote_dtype`` is applied to the
+    looked-up rows rather than to the table.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxslices, jaxslices.linen
+      >>> model = jaxslices.linen.Embed(num_embeddings=100, features=4)
+      >>> ids = jnp.array([[6, 1, 1]])
+      >>> params = model.init(jax.random.key(0), ids)["params"]
+      >>> loss = lambda p, ids: jnp.sum(model.apply({"params": p}, ids) ** 2)
+      >>> jaxslices.grad(loss)(params, ids)["embedding"]
+      IndexedSlices(float32[100, 4], rows=3)
+    """
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """Embed integer ids; output shape ``inputs.shape + (features,)``."""
+        inputs = integer_ids(inputs, "jaxslices.linen.Embed")
+        if self.num_embeddings == 1:
+            inputs = jnp.zeros(inputs.shape, jnp.int32)
+        rows = embedding_lookup(
+            self.embedding, wrap_negative(inputs, self.num_embeddings)
+        )
+        (rows,) = self.promote_dtype(rows, dtype=self.dtype, inexact=False)
+        return rows

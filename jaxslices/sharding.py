@@ -1,0 +1,613 @@
+"""Sparse gradients over a device mesh: data-parallel and row-sharded tables.
+
+JAX's own SPMD is the engine (``jax.jit`` with ``NamedSharding``,
+``shard_map``, ``jax.distributed``); this module makes sparse gradients stay
+sparse across it. Per step, communication is O(rows in the batch x D), never
+O(V x D). See ``docs/scale_out.md``.
+
+* **Data parallel** (tables replicated, batch sharded), under plain ``jax.jit``:
+  nothing to call. Every jaxslices scatter into a table or its optimizer state
+  (:func:`jaxslices.apply_updates`, the transforms' state updates) goes through
+  :func:`replicate_rows`, which asks the partitioner for the slices' rows on
+  every device (an all-gather of ``N x D``) before the scatter. Without it XLA
+  scatters each device's rows into a local zero table and all-reduces the
+  ``V x D`` tables.
+* **Row-sharded tables** (model parallel): the table and its optimizer state
+  are sharded by rows over a mesh axis (:func:`shard_rows`,
+  :func:`sharded_init`). :func:`sharded_lookup` and :func:`sharded_update` take
+  the routing scheme as an argument:
+
+  - ``"masked"``: every device sees the rows of the whole global batch and
+    serves the ones it owns (what GSPMD does with a row-sharded gather). No
+    capacity limit; O(global batch x D) per device.
+  - ``"all_to_all"``: each device deduplicates its local ids and sends them
+    (and, for the update, their summed gradient rows) to the owner shard in a
+    fixed-size buffer of ``capacity`` slots per destination (TorchRec's
+    row-wise sharding, TPU embeddings). O(devices x capacity x D) per device.
+    If a device has more distinct ids for one shard than ``capacity``, the step
+    raises an error at run time (like :func:`jaxslices.check_ids`); no row or
+    gradient is ever dropped silently.
+
+Neither scheme gathers, all-reduces or replicates a table: outputs keep the
+table's row sharding.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import _tape
+from . import updates as updates_
+from .embedding import _safe_ids, embedding_lookup
+from .slices import IndexedSlices, coalesce, is_indexed_slices
+
+__all__ = [
+    "Routing",
+    "replicate_rows",
+    "shard_rows",
+    "sharded_init",
+    "sharded_lookup",
+    "sharded_update",
+]
+
+Routing = Literal["masked", "all_to_all"]
+_ROUTINGS = ("masked", "all_to_all")
+
+
+# --------------------------------------------------------- version tolerance
+
+
+def _abstract_mesh(x: Any) -> Any | None:
+    """The mesh ``x`` is laid out on inside ``jit`` (``None`` if unknown/none).
+
+    ``jax.typeof(x).sharding.mesh`` (JAX >= 0.6) is the abstract mesh of the
+    inputs' shardings, also for ``Auto`` axes whose specs it does not report.
+    """
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:  # pragma: no cover - JAX < 0.6: hook inactive
+        return None
+    try:
+        mesh = typeof(x).sharding.mesh
+    except (AttributeError, TypeError):  # pragma: no cover - not an array
+        return None
+    if mesh is None or getattr(mesh, "empty", True):
+        return None
+    return mesh
+
+
+def _axis_kinds(mesh: Any) -> set[str]:
+    types = getattr(mesh, "axis_types", None) or ()
+    return {str(t).rsplit(".", 1)[-1] for t in types}
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+    """``jax.shard_map`` (JAX >= 0.7), else ``jax.experimental.shard_map``."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    from jax.experimental.shard_map import shard_map  # pragma: no cover
+
+    return shard_map(
+        f, mesh, in_specs=in_specs, out_specs=out_specs
+    )  # pragma: no cover
+
+
+def _all_gather_invariant(x: Any, axes: tuple[str, ...]) -> Any:
+    """Tiled all-gather whose result ``shard_map`` knows is the same everywhere."""
+    try:
+        return jax.lax.all_gather(x, axes, axis=0, tiled=True, to="invarying")
+    except TypeError:  # pragma: no cover - JAX without `to=` infers it itself
+        return jax.lax.all_gather(x, axes, axis=0, tiled=True)
+
+
+# ------------------------------------------------------------ data parallel
+
+
+def replicate_rows(target: Any, tree: Any) -> Any:
+    """Lay out ``tree`` (slices, their rows, their indices) whole on every device.
+
+    The one hook every jaxslices scatter into a ``target`` table or optimizer
+    state calls. Under ``jax.jit`` over a device mesh it constrains each array
+    in ``tree`` to be replicated, so the partitioner all-gathers the batch's
+    rows (``N x D``) and each device scatters into its own copy (replicated
+    table) or its own rows (row-sharded table), instead of scattering into a
+    zero table and all-reducing ``V x D``. A sharding constraint never changes
+    values; outside a mesh (one device, inside ``shard_map``) it is a no-op.
+
+    Args:
+      target: the array about to be scattered into.
+      tree: a pytree of arrays (an :class:`~jaxslices.IndexedSlices`, rows).
+
+    Returns:
+      ``tree``, with sharding constraints where a mesh is in use.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> s = jaxslices.IndexedSlices(jnp.ones((2, 1)), jnp.array([0, 1]), (3, 1))
+      >>> jaxslices.sharding.replicate_rows(jnp.zeros((3, 1)), s) is s
+      True
+    """
+    mesh = _abstract_mesh(target)
+    if mesh is None or mesh.size == 1 or _axis_kinds(mesh) & {"Manual", "Explicit"}:
+        # Inside shard_map every array is local already; meshes with Explicit
+        # axes are not supported by jaxslices' lookups yet (docs/scale_out.md).
+        return tree
+    replicated = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), tree)
+
+
+# ------------------------------------------------------------- placement
+
+
+def _check_axis(mesh: Any, axis: str, where: str) -> int:
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"{where}: `axis` must name an axis of the mesh {dict(mesh.shape)}, "
+            f"got {axis!r}."
+        )
+    return int(mesh.shape[axis])
+
+
+def shard_rows(x: Any, mesh: Any, axis: str) -> jax.Array:
+    """Place ``x`` on ``mesh`` sharded by rows over ``axis``, padding rows if needed.
+
+    JAX shards evenly only, so a table of ``V`` rows on ``n`` shards gets
+    ``-V % n`` zero rows appended (``ceil(V / n) * n`` rows in all). The extra
+    rows are never read by valid ids (``< V``) and never receive a gradient;
+    ids in ``[V, padded V)`` would read them (zeros), so check ids against
+    ``V`` (:func:`jaxslices.check_ids`) if they may be out of range.
+
+    Args:
+      x: a ``[V, ...]`` array (a table, or an optimizer state leaf).
+      mesh: a :class:`jax.sharding.Mesh`.
+      axis: the mesh axis to shard the rows over.
+
+    Returns:
+      The (padded) array with sharding ``NamedSharding(mesh, P(axis))``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, jaxslices
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+      >>> jaxslices.shard_rows(jnp.ones((5, 2)), mesh, "model").shape
+      (5, 2)
+    """
+    n = _check_axis(mesh, axis, "shard_rows")
+    x = jnp.asarray(x)
+    if x.ndim < 1:
+        raise ValueError(f"shard_rows: `x` must have rows, got shape {x.shape}.")
+    pad = -x.shape[0] % n
+    if pad:
+        x = jnp.concatenate([x, jnp.zeros((pad, *x.shape[1:]), x.dtype)])
+    return jax.device_put(x, NamedSharding(mesh, P(axis)))
+
+
+def _state_shardings(tx: Any, state: Any, param_shardings: Any, mesh: Any) -> Any:
+    """Each params-like state leaf gets its param's sharding, the rest replicated."""
+    return optax.tree_utils.tree_map_params(
+        tx,
+        lambda _, s: s,
+        state,
+        param_shardings,
+        transform_non_params=lambda _: NamedSharding(mesh, P()),
+    )
+
+
+def sharded_init(tx: optax.GradientTransformation, params: Any) -> Any:
+    """``tx.init(params)``, each state leaf laid out like its parameter.
+
+    ``jax.jit(tx.init)`` would replicate the moments of a row-sharded table
+    (zeros carry no sharding); this places every params-shaped state leaf (a
+    momentum trace, Adagrad's accumulator, Adam's moments) with its parameter's
+    sharding and everything else (step counts) replicated on the same mesh.
+
+    Args:
+      tx: an Optax transformation.
+      params: the parameters, already placed (e.g. with :func:`shard_rows`).
+
+    Returns:
+      The optimizer state.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, jaxslices
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+      >>> params = {"emb": jaxslices.shard_rows(jnp.ones((4, 2)), mesh, "model")}
+      >>> state = jaxslices.sharded_init(jaxslices.adagrad(0.1), params)
+      >>> spec = state[0].sum_of_squares["emb"].sharding.spec
+      >>> spec == jax.sharding.PartitionSpec("model")
+      True
+    """
+    shardings = jax.tree.map(lambda p: p.sharding, params)
+    meshes = {
+        s.mesh for s in jax.tree.leaves(shardings) if isinstance(s, NamedSharding)
+    }
+    if len(meshes) != 1:
+        raise ValueError(
+            "sharded_init: every parameter must be placed with a NamedSharding on "
+            f"one mesh (jax.device_put or jaxslices.shard_rows); found {len(meshes)} "
+            "meshes."
+        )
+    (mesh,) = meshes
+    shapes = jax.eval_shape(tx.init, params)
+    out = _state_shardings(tx, shapes, shardings, mesh)
+    return jax.jit(tx.init, out_shardings=out)(params)
+
+
+# ------------------------------------------------------------------ routing
+
+
+def _check_routing(routing: str, where: str, capacity: Any = None) -> None:
+    if routing not in _ROUTINGS:
+        raise ValueError(
+            f"{where}: `routing` must be one of {_ROUTINGS}, got {routing!r}."
+        )
+    if capacity is not None and (
+        not isinstance(capacity, (int, np.integer)) or capacity < 1
+    ):
+        raise ValueError(
+            f"{where}: `capacity` must be a positive int (slots per destination "
+            f"shard) or None (never overflows), got {capacity!r}."
+        )
+
+
+def _raise_overflow(overflow, needed, capacity, where):
+    if bool(overflow):
+        raise ValueError(
+            f"{where}(routing='all_to_all'): a device has {int(needed)} distinct "
+            f"ids for one shard, more than capacity={int(capacity)} slots. Nothing "
+            f"was dropped: the step stops here. Pass capacity >= {int(needed)} (or "
+            "capacity=None, which never overflows), or use routing='masked'."
+        )
+
+
+def _bucket(ids: jax.Array, rows_per_shard: int, shards: int, capacity: int, where):
+    """Destination (shard, slot) of each of ``ids`` (sorted unique, padding last).
+
+    Returns ``(shard, slot, ok)``; ``ok`` is False for padding and for ids past a
+    destination's capacity (which raise at run time).
+    """
+    total = rows_per_shard * shards
+    valid = (ids >= 0) & (ids < total)
+    shard = jnp.where(valid, ids // rows_per_shard, shards).astype(jnp.int32)
+    start = jnp.searchsorted(shard, jnp.arange(shards, dtype=jnp.int32), side="left")
+    pos = jnp.arange(ids.shape[0], dtype=jnp.int32)
+    slot = pos - start[jnp.minimum(shard, shards - 1)]
+    over = valid & (slot >= capacity)
+    needed = jnp.max(jnp.where(valid, slot + 1, 0))
+    jax.debug.callback(
+        _raise_overflow, jnp.any(over), needed, capacity, where, ordered=False
+    )
+    return shard, slot, valid & ~over
+
+
+def _send(x: jax.Array, shard, slot, ok, shards: int, capacity: int, fill):
+    """Pack ``x`` (one entry per id) into a ``[shards, capacity, ...]`` buffer."""
+    buf = jnp.full((shards, capacity, *x.shape[1:]), fill, x.dtype)
+    s = jnp.where(ok, shard, shards)
+    return buf.at[s, slot].set(x, mode="drop")
+
+
+def _exchange(x: jax.Array, axis: str) -> jax.Array:
+    """Buffer ``[shards, capacity, ...]``: slot block ``i`` goes to shard ``i``."""
+    return jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
+
+
+def _unique(flat: jax.Array, sentinel: int):
+    """Sorted unique ids (``sentinel``-padded, static size) and each id's slot."""
+    n = flat.shape[0]
+    iota = jnp.arange(n, dtype=jnp.int32)
+    key, perm = jax.lax.sort((flat, iota), num_keys=1)
+    new = jnp.concatenate([jnp.ones((1,), bool), key[1:] != key[:-1]])
+    seg = jnp.cumsum(new.astype(jnp.int32)) - 1
+    uniq = jnp.full((n,), sentinel, flat.dtype).at[seg].set(key)
+    inv = jnp.zeros((n,), jnp.int32).at[perm].set(seg)
+    return uniq, inv
+
+
+def _all_axes(mesh: Any) -> tuple[str, ...]:
+    return tuple(mesh.axis_names)
+
+
+def _resolve(table: Any, mesh: Any, axis: str, where: str):
+    mesh = mesh if mesh is not None else _abstract_mesh(table)
+    if mesh is None:
+        raise ValueError(
+            f"{where}(routing='all_to_all') needs a device mesh: pass `mesh=`, or "
+            "call it under jax.jit on arrays placed on a mesh."
+        )
+    shards = _check_axis(mesh, axis, where)
+    if table.shape[0] % shards:
+        raise ValueError(
+            f"{where}: the table has {table.shape[0]} rows, not a multiple of the "
+            f"{shards} shards of mesh axis {axis!r}; place it with "
+            "jaxslices.shard_rows, which pads the rows."
+        )
+    return mesh, shards, table.shape[0] // shards
+
+
+def _batch_size_check(n: int, devices: int, where: str) -> None:
+    if n % devices:
+        raise ValueError(
+            f"{where}(routing='all_to_all'): the batch's leading dimension ({n}) "
+            f"must be divisible by the number of devices ({devices}): each device "
+            "routes its own part of the batch."
+        )
+
+
+def _routed_gather(table, ids, *, mesh, axis, shards, rows, capacity):
+    """``table[ids]`` for a row-sharded table, ids routed to their owners."""
+    devices = mesh.size
+    _batch_size_check(ids.shape[0], devices, "sharded_lookup")
+    n_local = int(np.prod(ids.shape)) // devices
+    cap = n_local if capacity is None else int(capacity)
+    row_shape = table.shape[1:]
+    batch = P(_all_axes(mesh))
+
+    def local(shard_rows_, ids_):
+        flat = ids_.reshape(-1)
+        total = rows * shards
+        flat = jnp.where((flat >= 0) & (flat < total), flat, total)
+        uniq, inv = _unique(flat, total)
+        dest, slot, ok = _bucket(uniq, rows, shards, cap, "sharded_lookup")
+        offset = jnp.where(ok, uniq - dest * rows, rows)
+        want = _exchange(_send(offset, dest, slot, ok, shards, cap, rows), axis)
+        got = shard_rows_.at[want].get(mode="fill", fill_value=0)
+        back = _exchange(got, axis)
+        mine = back[jnp.where(ok, dest, 0), jnp.where(ok, slot, 0)]
+        mine = jnp.where(ok.reshape(-1, *([1] * len(row_shape))), mine, 0)
+        return mine[inv].reshape(*ids_.shape, *row_shape)
+
+    return _shard_map(local, mesh, (P(axis), batch), batch)(table, ids)
+
+
+def sharded_lookup(
+    table: jax.Array,
+    ids: jax.Array,
+    *,
+    axis: str,
+    routing: Routing = "masked",
+    capacity: int | None = None,
+    mesh: Any = None,
+) -> jax.Array:
+    """``table[ids]`` for a table sharded by rows over mesh axis ``axis``.
+
+    Use it inside a loss under ``jax.jit``, as :func:`jaxslices.embedding_lookup`:
+    :func:`jaxslices.value_and_grad` gives the table an
+    :class:`~jaxslices.IndexedSlices` gradient (global ids, the batch's
+    sharding). Ids outside ``[0, rows)`` read zeros and get no gradient.
+
+    Args:
+      table: ``[V, ...]``, placed with ``P(axis)`` (:func:`shard_rows`).
+      ids: integer array whose leading (batch) dimension is split over all
+        devices for ``"all_to_all"`` (it must divide evenly).
+      axis: the mesh axis the table's rows are sharded over.
+      routing: ``"masked"`` (every device handles the global batch, no
+        capacity) or ``"all_to_all"`` (ids routed to their owner shard).
+      capacity: ``"all_to_all"`` only: distinct ids a device may send to one
+        shard per lookup. ``None``: the device's whole batch (never overflows;
+        as many bytes as ``"masked"``). A smaller value cuts communication to
+        ``devices x capacity`` rows; overflow raises at run time.
+      mesh: the mesh; ``None``: the one the table is placed on (under ``jit``).
+
+    Returns:
+      ``ids.shape + table.shape[1:]``, sharded like ``ids``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, jaxslices
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+      >>> table = jaxslices.shard_rows(jnp.arange(8.0).reshape(4, 2), mesh, "model")
+      >>> f = jax.jit(lambda t, i: jaxslices.sharded_lookup(
+      ...     t, i, axis="model", routing="all_to_all", mesh=mesh))
+      >>> f(table, jnp.array([[3, 0]]))
+      Array([[[6., 7.],
+              [0., 1.]]], dtype=float32)
+    """
+    _check_routing(routing, "sharded_lookup", capacity)
+    if routing == "masked":
+        return embedding_lookup(table, ids)
+    ids = ids if hasattr(ids, "dtype") else np.asarray(ids)  # no narrowing
+    if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.ndim < 1:
+        raise TypeError(
+            "sharded_lookup: `ids` must be an integer array with a batch dimension, "
+            f"got {jnp.dtype(ids.dtype).name}{list(ids.shape)}."
+        )
+    mesh, shards, rows = _resolve(table, mesh, axis, "sharded_lookup")
+    gather = functools.partial(
+        _routed_gather,
+        mesh=mesh,
+        axis=axis,
+        shards=shards,
+        rows=rows,
+        capacity=capacity,
+    )
+    safe = _safe_ids(ids, table.shape[0])  # the ids policy: invalid ids -> V
+    out = _tape.lookup(table, safe, gather)  # sparse under value_and_grad
+    return gather(table, safe) if out is None else out
+
+
+# ------------------------------------------------------------------- update
+
+
+def _pad_slices(g: IndexedSlices, multiple: int) -> IndexedSlices:
+    pad = -g.num_slices % multiple
+    if not pad:
+        return g
+    v = g.dense_shape[0]
+    return IndexedSlices(
+        jnp.concatenate([g.values, jnp.zeros((pad, *g.row_shape), g.dtype)]),
+        jnp.concatenate([g.indices, jnp.full((pad,), v, g.indices.dtype)]),
+        g.dense_shape,
+    )
+
+
+def _route_to_owner(g, *, axis, others, shards, rows, capacity):
+    """Local slices (global ids) -> the slices this device owns (local ids)."""
+    c = coalesce(g)
+    dest, slot, ok = _bucket(c.indices, rows, shards, capacity, "sharded_update")
+    offset = jnp.where(ok, c.indices - dest * rows, rows).astype(c.indices.dtype)
+    ids = _exchange(_send(offset, dest, slot, ok, shards, capacity, rows), axis)
+    vals = _exchange(_send(c.values, dest, slot, ok, shards, capacity, 0), axis)
+    if others:  # table replicas on the other mesh axes get every replica's rows
+        ids, vals = _all_gather_invariant((ids, vals), others)
+    return IndexedSlices(
+        vals.reshape(-1, *g.row_shape), ids.reshape(-1), (rows, *g.row_shape)
+    )
+
+
+def sharded_update(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    state: Any,
+    params: Any,
+    *,
+    axis: str,
+    routing: Routing = "masked",
+    capacity: int | None = None,
+    mesh: Any = None,
+) -> tuple[Any, Any]:
+    """One optimizer step for params whose tables are sharded by rows over ``axis``.
+
+    Returns ``(new_params, new_state)``, i.e. ``tx.update`` then
+    :func:`jaxslices.apply_updates`, laid out like the inputs. Call it under
+    ``jax.jit`` with the gradients of :func:`jaxslices.value_and_grad`. Every
+    parameter whose gradient is an :class:`~jaxslices.IndexedSlices` is a
+    table sharded by rows over ``axis`` (:func:`shard_rows`); every other
+    parameter is replicated; the state is laid out like its parameters
+    (:func:`sharded_init`). (A table whose gradient fell back to dense, e.g.
+    tied weights, counts as replicated under ``"all_to_all"``: correct, but it
+    is gathered whole; use ``"masked"`` for such tables.)
+
+    * ``routing="masked"``: ``tx.update`` + ``apply_updates`` as written, each
+      device handling the rows of the whole global batch and writing those it
+      owns. Any transform works (``clip_by_global_norm`` included).
+    * ``routing="all_to_all"``: each device sums its local gradient rows per id
+      and sends them to their owner shard (``capacity`` slots per shard; see
+      :func:`sharded_lookup`); the optimizer then runs on each shard, on the
+      rows it owns. The table transforms must therefore be row-wise (every
+      jaxslices transform but :func:`jaxslices.clip_by_global_norm`, whose
+      norm would be per shard; ``shard_map``'s replication check raises if
+      such a per-shard value reaches a replicated parameter).
+
+    Args:
+      tx: the optimizer, e.g. ``jaxslices.lazy_adam(1e-3)``.
+      grads: gradients, sharded like the batch (sparse) or replicated (dense).
+      state: the optimizer state (:func:`sharded_init`).
+      params: the parameters.
+      axis: the mesh axis the tables' rows are sharded over.
+      routing: ``"masked"`` or ``"all_to_all"``.
+      capacity: ``"all_to_all"`` only: distinct ids a device may send to one
+        shard; ``None``: its whole part of the batch (never overflows).
+      mesh: the mesh; ``None``: the one the parameters are placed on.
+
+    Returns:
+      ``(new_params, new_state)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, jaxslices
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+      >>> params = {"emb": jaxslices.shard_rows(jnp.ones((4, 2)), mesh, "model")}
+      >>> tx = jaxslices.sgd(0.5)
+      >>> g = {"emb": jaxslices.IndexedSlices(jnp.ones((2, 2)), jnp.array([1, 1]),
+      ...                                     (4, 2))}
+      >>> step = jax.jit(lambda g, s, p: jaxslices.sharded_update(
+      ...     tx, g, s, p, axis="model", routing="all_to_all", mesh=mesh))
+      >>> new, _ = step(g, jaxslices.sharded_init(tx, params), params)
+      >>> new["emb"][:, 0]
+      Array([1., 0., 1., 1.], dtype=float32)
+    """
+    _check_routing(routing, "sharded_update", capacity)
+    if routing == "masked":
+        upd, state = tx.update(grads, state, params)
+        return updates_.apply_updates(params, upd), state
+    tables = [
+        is_indexed_slices(g) for g in jax.tree.leaves(grads, is_leaf=is_indexed_slices)
+    ]
+    leaves, treedef = jax.tree.flatten(params)
+    g_leaves = treedef.flatten_up_to(grads)
+    if len(tables) != len(leaves):
+        raise ValueError(
+            "sharded_update: `grads` must have the structure of `params` (one "
+            f"gradient per parameter), got {len(tables)} and {len(leaves)} leaves."
+        )
+    first = next((p for p, t in zip(leaves, tables, strict=True) if t), None)
+    if first is None:
+        upd, state = tx.update(grads, state, params)
+        return updates_.apply_updates(params, upd), state
+    mesh, shards, _ = _resolve(first, mesh, axis, "sharded_update")
+    devices = mesh.size
+    others = tuple(a for a in mesh.axis_names if a != axis)
+    batch = P(_all_axes(mesh))
+
+    p_specs = [P(axis) if t else P() for t in tables]
+    num_rows = [p.shape[0] if p.ndim else 0 for p in leaves]
+    g_in, g_specs = [], []
+    for g, t, p in zip(g_leaves, tables, leaves, strict=True):
+        if t:
+            _resolve(p, mesh, axis, "sharded_update")  # rows divide evenly
+            if g.dense_shape != tuple(p.shape):
+                raise ValueError(
+                    f"sharded_update: a gradient has dense shape {g.dense_shape} "
+                    f"but its parameter has shape {tuple(p.shape)}."
+                )
+            g = _pad_slices(g, devices)
+            g_in.append(g)
+            g_specs.append(jax.tree.unflatten(jax.tree.structure(g), [batch, batch]))
+        else:
+            g_in.append(g)
+            g_specs.append(P())
+    p_spec_tree = jax.tree.unflatten(treedef, p_specs)
+    s_specs = optax.tree_utils.tree_map_params(
+        tx,
+        lambda _, s: s,
+        state,
+        p_spec_tree,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    s_specs = _broadcast_specs(s_specs, state)
+
+    def local(g_flat, state, p_flat):
+        local_grads = []
+        for g, t, v in zip(g_flat, tables, num_rows, strict=True):
+            if t:
+                rows = v // shards
+                n_local = g.num_slices
+                cap = n_local if capacity is None else int(capacity)
+                g = _route_to_owner(
+                    g,
+                    axis=axis,
+                    others=others,
+                    shards=shards,
+                    rows=rows,
+                    capacity=cap,
+                )
+            local_grads.append(g)
+        grads_ = jax.tree.unflatten(treedef, local_grads)
+        params_ = jax.tree.unflatten(treedef, p_flat)
+        updates, new_state = tx.update(grads_, state, params_)
+        return jax.tree.leaves(updates_.apply_updates(params_, updates)), new_state
+
+    new_leaves, new_state = _shard_map(
+        local,
+        mesh,
+        (g_specs, s_specs, p_specs),
+        (p_specs, s_specs),
+    )(g_in, state, leaves)
+    return jax.tree.unflatten(treedef, new_leaves), new_state
+
+
+def _broadcast_specs(specs: Any, state: Any) -> Any:
+    """Expand spec subtrees (a ``P`` standing for a whole state subtree) to leaves."""
+
+    def expand(spec, sub):
+        return jax.tree.map(lambda _: spec, sub)
+
+    return jax.tree.map(
+        expand, specs, state, is_leaf=lambda x: isinstance(x, P) or x is None
+    )

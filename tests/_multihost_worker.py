@@ -1,0 +1,139 @@
+"""One process of the multi-host test (``tests/test_sharding_multihost.py``).
+
+Run as ``python _multihost_worker.py PORT PROCESS_ID NUM_PROCESSES OUT_JSON``
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``: joins the others
+through ``jax.distributed`` on 127.0.0.1, builds one mesh over every process's
+CPU devices, trains a few data-parallel and row-sharded (all-to-all) steps and
+writes the largest difference to a single-device reference, computed in this
+process on one local device, to ``OUT_JSON``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import sys
+import traceback
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+js: Any = None  # jaxslices, imported after jax.distributed.initialize (see main)
+
+V, D, B, L = 1024, 8, 32, 4
+
+
+def loss_fn(params, ids, y, lookup):
+    h = lookup(params["emb"], ids).mean(1)
+    return jnp.mean((jnp.tanh(h) @ params["w"] - y) ** 2)
+
+
+def reference(tx, params, batches):
+    local = jax.local_devices()[0]
+    params = jax.device_put(params, local)
+    state = jax.device_put(tx.init(params), local)
+
+    @jax.jit
+    def step(params, state, ids, y):
+        loss, g = js.value_and_grad(loss_fn)(params, ids, y, js.embedding_lookup)
+        u, state = tx.update(g, state, params)
+        return js.apply_updates(params, u), state
+
+    for ids, y in batches:
+        params, state = step(params, state, *jax.device_put((ids, y), local))
+    return params
+
+
+def global_array(x, sharding):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def run(mode: str) -> float:
+    mesh = Mesh(np.array(jax.devices()), ("model",))
+    rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("model"))
+    rng = np.random.default_rng(0)  # same data in every process
+    params0 = {
+        "emb": rng.normal(size=(V, D)).astype(np.float32),
+        "w": rng.normal(size=(D,)).astype(np.float32),
+    }
+    batches = [
+        (
+            rng.integers(0, V // 8, size=(B, L)).astype(np.int32) * 7 % V,
+            rng.normal(size=(B,)).astype(np.float32),
+        )
+        for _ in range(2)
+    ]
+    tx = js.lazy_adam(0.05)
+    expect = reference(tx, params0, batches)
+
+    table_sharding = rep if mode == "data_parallel" else rows
+    params = {
+        "emb": global_array(params0["emb"], table_sharding),
+        "w": global_array(params0["w"], rep),
+    }
+    if mode == "data_parallel":
+        state = jax.jit(tx.init, out_shardings=rep)(params)
+        lookup = js.embedding_lookup
+
+        def update(g, s, p):
+            u, s = tx.update(g, s, p)
+            return js.apply_updates(p, u), s
+
+    else:
+        state = js.sharded_init(tx, params)
+        lookup = functools.partial(
+            js.sharded_lookup, axis="model", routing="all_to_all"
+        )
+        update = functools.partial(
+            js.sharded_update, tx, axis="model", routing="all_to_all"
+        )
+
+    @jax.jit
+    def step(params, state, ids, y):
+        loss, g = js.value_and_grad(loss_fn)(params, ids, y, lookup)
+        return update(g, state, params)
+
+    for ids, y in batches:
+        params, state = step(
+            params, state, global_array(ids, rows), global_array(y, rows)
+        )
+    assert params["emb"].sharding.is_equivalent_to(table_sharding, 2)
+    got = multihost_utils.process_allgather(params, tiled=True)
+    return max(
+        float(np.max(np.abs(np.asarray(got[k]) - np.asarray(expect[k]))))
+        for k in ("emb", "w")
+    )
+
+
+def main(port: str, pid: int, nproc: int, out_path: str) -> None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=nproc,
+        process_id=pid,
+        initialization_timeout=60,
+        heartbeat_timeout_seconds=30,
+        shutdown_timeout_seconds=30,
+    )
+    global js
+    js = importlib.import_module("jaxslices")  # before or after initialize()
+    result: dict = {"process": pid, "devices": jax.device_count()}
+    try:
+        for mode in ("data_parallel", "row_sharded_all_to_all"):
+            result[mode] = run(mode)
+    except Exception:  # reported to the test, which fails with it
+        result["error"] = traceback.format_exc()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
