@@ -66,7 +66,7 @@ def test_every_method_matches_numpy(method, row_shape, use_jit):
     check_coalesced(jax.jit(f)(s) if use_jit else f(s), s, method, flags=not use_jit)
 
 
-@settings(deadline=None, max_examples=25)
+@settings(deadline=None, max_examples=15)
 @given(
     ids=st.lists(st.integers(-2, 9), min_size=1, max_size=40),
     method=st.sampled_from(METHODS),
