@@ -151,7 +151,7 @@ def densify_crossover() -> str:
         lines.append(
             f"\nSo `densify` pays off up to about {_rows_label(max(all_win))} rows "
             f"and loses from {_rows_label(min(none_win))} rows on; use it "
-            f"(`max_rows={max(all_win)}`) for tables below that size."
+            f"(`max_rows={max(all_win)}`) for tables of at most that many rows."
         )
     return "\n".join(lines) + "\n"
 

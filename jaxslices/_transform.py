@@ -631,9 +631,10 @@ def densify(max_rows: int | None = None) -> optax.GradientTransformationExtraArg
     Replaces each :class:`~jaxslices.IndexedSlices` whose table has at most
     ``max_rows`` rows (all of them if ``None``) by its dense equivalent, and
     leaves larger tables sparse. Put it first in a chain: for small tables a
-    dense step is cheaper than gathering and scattering rows (measured in
-    ``benchmarks/RESULTS.md``: on a 2-core CPU the dense path wins below about
-    100k rows of width 64 for clipping, Adagrad and Adam). The maths changes
+    dense step is cheaper than gathering and scattering rows for clipping,
+    Adagrad and Adam (never for plain SGD); the measured crossover, which
+    depends on the machine and the row width, is in ``docs/optax.md`` ("Small
+    tables") and ``benchmarks/RESULTS.md``. The maths changes
     with it: a densified table gets the dense (non-lazy) update of the
     transforms that follow, e.g. Adam moments of untouched rows decay.
 
