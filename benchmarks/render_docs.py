@@ -60,7 +60,7 @@ def _rows_label(v: int) -> str:
 
 def readme_benchmarks() -> str:
     """The README's summary of the step benchmark (CPU and GPU runs)."""
-    cpu = load("step_bench_cpu.json")
+    cpu = load("issue12/step_bench_cpu.json")  # the newest CPU run
     rows = cpu["rows"]
     big = max(r["num_rows"] for r in rows)
 
@@ -73,11 +73,12 @@ def readme_benchmarks() -> str:
     text = (
         f"A training step (1024 x 16 Zipf ids, `V x 64` table) with jaxslices costs\n"
         f"what the batch touches. On a {cpu.get('nproc', 2)}-core CPU "
-        f"(`step_bench_cpu.json`), at V = {_rows_label(big)}\n"
+        f"(`issue12/step_bench_cpu.json`), at V = {_rows_label(big)}\n"
         f"SGD is {sgd_speedup:.0f}x faster than the dense Optax path and "
         f"{sgd_floor:.2f}x the time of a\n"
         f"hand-written sparse step; lazy Adam is {adam_speedup:.0f}x faster than "
-        f"dense Adam."
+        f"dense Adam (a shared, loaded machine: the dense\n"
+        f"times are the noisiest; see `benchmarks/RESULTS.md`)."
     )
     gpu_file = RESULTS / "step_bench_gpu.json"
     if gpu_file.exists():
@@ -87,7 +88,8 @@ def readme_benchmarks() -> str:
         lo = min(r["median_ms"] for r in js)
         hi = max(r["median_ms"] for r in js)
         text += (
-            f"\nOn an {gpu.get('device', 'GPU')} (`step_bench_gpu.json`) every "
+            f"\nOn an {gpu.get('device', 'GPU')} (`step_bench_gpu.json`, an earlier "
+            f"version of the library) every "
             f"jaxslices optimizer takes\n"
             f"{lo:.2f}-{hi:.2f} ms per step from V = {_rows_label(vs[0])} to "
             f"{_rows_label(vs[-1])}."
