@@ -58,7 +58,6 @@ def sgd(
       momentum: the momentum coefficient, or ``None`` for plain SGD.
       nesterov: use Nesterov momentum.
       accumulator_dtype: dtype of the momentum buffer; ``None``: the parameter's.
-
       coalesce_method: how duplicate ids are summed, the ``method`` of
         :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 
@@ -116,7 +115,6 @@ def adagrad(
       learning_rate: a scalar or an Optax schedule.
       initial_accumulator_value: starting value of the accumulator.
       eps: added under the square root.
-
       coalesce_method: how duplicate ids are summed, the ``method`` of
         :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 
@@ -172,7 +170,6 @@ def lazy_adam(
       eps_root: added to the second moment inside the square root.
       mu_dtype: dtype of the first moment; ``None``: the parameter's.
       nesterov: use Nesterov momentum (NAdam), as in Optax.
-
       coalesce_method: how duplicate ids are summed, the ``method`` of
         :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 
@@ -237,7 +234,6 @@ def lazy_adamw(
       weight_decay: a scalar or an Optax schedule.
       mask: which leaves decay, as in :func:`add_decayed_weights`.
       nesterov: use Nesterov momentum, as in Optax.
-
       coalesce_method: how duplicate ids are summed, the ``method`` of
         :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 
@@ -303,7 +299,6 @@ def rowwise_adagrad(
       learning_rate: a scalar or an Optax schedule.
       initial_accumulator_value: starting value of every accumulator.
       eps: added to the square root in the denominator.
-
       coalesce_method: how duplicate ids are summed, the ``method`` of
         :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 
@@ -401,7 +396,6 @@ def ftrl(
       l2_shrinkage: L2 shrinkage strength (``>= 0``): an L2 penalty added to the
         loss gradient.
       beta: the paper's ``beta``, added to ``l2`` as ``beta / (2 * lr)``.
-
       coalesce_method: how duplicate ids are summed, the ``method`` of
         :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 

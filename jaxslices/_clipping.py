@@ -38,7 +38,6 @@ def clip(
 
     Args:
       max_delta: the largest absolute value kept.
-
       coalesce_method: how duplicate ids are summed, the ``method`` of
         :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 
@@ -80,7 +79,6 @@ def clip_by_global_norm(
 
     Args:
       max_norm: the largest global norm let through unscaled.
-
       coalesce_method: how duplicate ids are summed, the ``method`` of
         :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 
@@ -142,7 +140,6 @@ def clip_by_row_norm(
 
     Args:
       max_norm: the largest row norm let through unscaled.
-
       coalesce_method: how duplicate ids are summed, the ``method`` of
         :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 

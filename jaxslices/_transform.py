@@ -186,7 +186,6 @@ def trace(
       decay: the momentum coefficient.
       nesterov: use Nesterov momentum (``g + decay * t`` as the update).
       accumulator_dtype: dtype of the trace; ``None`` uses the parameter's.
-
       coalesce_method: how duplicate ids are summed, the ``method`` of
         :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 
@@ -264,7 +263,6 @@ def add_decayed_weights(
         ``False`` leaves pass through unchanged. Unlike :func:`optax.masked`, a
         callable is always given the *params* (dense arrays), never the
         updates, so it does not need to know about ``IndexedSlices``.
-
       coalesce_method: how duplicate ids are summed, the ``method`` of
         :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 
@@ -355,7 +353,6 @@ def scale_by_rss(
     Args:
       initial_accumulator_value: starting value of the accumulator.
       eps: added under the square root.
-
       coalesce_method: how duplicate ids are summed, the ``method`` of
         :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 
@@ -442,7 +439,6 @@ def scale_by_rowwise_rss(
     Args:
       initial_accumulator_value: starting value of every accumulator.
       eps: added to the square root in the denominator.
-
       coalesce_method: how duplicate ids are summed, the ``method`` of
         :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 
@@ -559,7 +555,6 @@ def scale_by_lazy_adam(
       eps_root: added to the second moment inside the square root.
       mu_dtype: dtype of the first moment; ``None``: the parameter's.
       nesterov: use Nesterov momentum (NAdam), as in Optax.
-
       coalesce_method: how duplicate ids are summed, the ``method`` of
         :func:`jaxslices.coalesce`; ``"auto"``: the fastest measured per backend.
 
