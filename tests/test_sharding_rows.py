@@ -18,7 +18,10 @@ from jax.sharding import PartitionSpec as P
 
 import jaxslices as js
 
-V, D, B, L = 4096, 8, 32, 4
+# V is chosen so that a shard (V / 8 rows) is larger than the hash coalesce's
+# 4N-cell workspace (N = B * L ids), which masked routing may all-reduce: that is
+# O(batch), not table-sized, but a shard of the same size would be flagged.
+V, D, B, L = 8192, 8, 32, 4
 
 
 def _sharded_step(tx, routing, axis, capacity=None):
@@ -141,7 +144,7 @@ def test_temporaries_do_not_grow_with_the_table(routing):
 
 @pytest.mark.parametrize("routing", ["masked", "all_to_all"])
 def test_rows_not_divisible_by_devices(routing):
-    num_rows = 4093
+    num_rows = 8189  # not divisible by 8; shards of 1024 rows
     _check(*_run("adagrad", routing, num_rows=num_rows), num_rows=num_rows)
 
 
