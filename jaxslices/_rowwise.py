@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from . import _coalesce, sharding, slices
+from . import _coalesce, _layout, slices
 from .slices import IndexedSlices, _replace_values, check_slices
 
 ScalarOrSchedule = ArrayLike | Callable[[ArrayLike], ArrayLike]
@@ -147,7 +147,7 @@ def rows(x: Any, c: IndexedSlices) -> jax.Array:
 def set_rows(x: Any, c: IndexedSlices, new_rows: jax.Array) -> jax.Array:
     """Write ``new_rows`` into ``x`` at ``c``'s (unique) indices; padding dropped."""
     x = jnp.asarray(x)
-    c, new_rows = sharding.replicate_rows(x, (c, new_rows))
+    c, new_rows = _layout.replicate_rows(x, (c, new_rows))
     return x.at[slices.safe_indices(c)].set(new_rows.astype(x.dtype), mode="drop")
 
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from . import _jax_private
+from . import _jax_private, _layout
 from .slices import IndexedSlices
 
 try:  # public since JAX 0.4.36 (stackless tracing)
@@ -246,13 +246,6 @@ def _pvary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.pvary(x, axes)
 
 
-def _all_gather_invariant(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    try:
-        return jax.lax.all_gather(x, axes, tiled=True, to="invarying")
-    except TypeError:  # JAX without the `to` argument
-        return jax.lax.all_gather(x, axes, tiled=True)
-
-
 def _zeros_tap(rec: LookupRecord) -> jax.Array:
     tap = jnp.zeros(rec.ids_shape + rec.row_shape, rec.dtype)
     return _pvary(tap, rec.axes) if rec.axes else tap
@@ -404,8 +397,8 @@ def pack(plan: Plan, tapped: Tapped, leaves: Sequence[Any]) -> dict[int, Indexed
         )
         axes = tuple(sorted({a for j in mine for a in plan.records[j].axes}))
         if axes:  # shard_map(check_vma=True): the sum over devices, as slices
-            values = _all_gather_invariant(s.values, axes)
-            indices = _all_gather_invariant(s.indices, axes)
+            values = _layout.all_gather_invariant(s.values, axes)
+            indices = _layout.all_gather_invariant(s.indices, axes)
             s = IndexedSlices(values, indices, s.dense_shape)
         out[k] = s
     return out

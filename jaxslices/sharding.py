@@ -46,6 +46,8 @@ from jax.sharding import PartitionSpec as P
 
 from . import _tape
 from . import updates as updates_
+from ._layout import _abstract_mesh, replicate_rows
+from ._layout import all_gather_invariant as _all_gather_invariant
 from .embedding import _safe_ids, embedding_lookup
 from .slices import IndexedSlices, coalesce, is_indexed_slices
 
@@ -65,29 +67,6 @@ _ROUTINGS = ("masked", "all_to_all")
 # --------------------------------------------------------- version tolerance
 
 
-def _abstract_mesh(x: Any) -> Any | None:
-    """The mesh ``x`` is laid out on inside ``jit`` (``None`` if unknown/none).
-
-    ``jax.typeof(x).sharding.mesh`` (JAX >= 0.6) is the abstract mesh of the
-    inputs' shardings, also for ``Auto`` axes whose specs it does not report.
-    """
-    typeof = getattr(jax, "typeof", None)
-    if typeof is None:  # pragma: no cover - JAX < 0.6: hook inactive
-        return None
-    try:
-        mesh = typeof(x).sharding.mesh
-    except (AttributeError, TypeError):  # pragma: no cover - not an array
-        return None
-    if mesh is None or getattr(mesh, "empty", True):
-        return None
-    return mesh
-
-
-def _axis_kinds(mesh: Any) -> set[str]:
-    types = getattr(mesh, "axis_types", None) or ()
-    return {str(t).rsplit(".", 1)[-1] for t in types}
-
-
 def _shard_map(f, mesh, in_specs, out_specs):
     """``jax.shard_map`` (JAX >= 0.7), else ``jax.experimental.shard_map``."""
     if hasattr(jax, "shard_map"):
@@ -99,48 +78,7 @@ def _shard_map(f, mesh, in_specs, out_specs):
     )  # pragma: no cover
 
 
-def _all_gather_invariant(x: Any, axes: tuple[str, ...]) -> Any:
-    """Tiled all-gather whose result ``shard_map`` knows is the same everywhere."""
-    try:
-        return jax.lax.all_gather(x, axes, axis=0, tiled=True, to="invarying")
-    except TypeError:  # pragma: no cover - JAX without `to=` infers it itself
-        return jax.lax.all_gather(x, axes, axis=0, tiled=True)
-
-
 # ------------------------------------------------------------ data parallel
-
-
-def replicate_rows(target: Any, tree: Any) -> Any:
-    """Lay out ``tree`` (slices, their rows, their indices) whole on every device.
-
-    The one hook every jaxslices scatter into a ``target`` table or optimizer
-    state calls. Under ``jax.jit`` over a device mesh it constrains each array
-    in ``tree`` to be replicated, so the partitioner all-gathers the batch's
-    rows (``N x D``) and each device scatters into its own copy (replicated
-    table) or its own rows (row-sharded table), instead of scattering into a
-    zero table and all-reducing ``V x D``. A sharding constraint never changes
-    values; outside a mesh (one device, inside ``shard_map``) it is a no-op.
-
-    Args:
-      target: the array about to be scattered into.
-      tree: a pytree of arrays (an :class:`~jaxslices.IndexedSlices`, rows).
-
-    Returns:
-      ``tree``, with sharding constraints where a mesh is in use.
-
-    Example:
-      >>> import jax.numpy as jnp, jaxslices
-      >>> s = jaxslices.IndexedSlices(jnp.ones((2, 1)), jnp.array([0, 1]), (3, 1))
-      >>> jaxslices.sharding.replicate_rows(jnp.zeros((3, 1)), s) is s
-      True
-    """
-    mesh = _abstract_mesh(target)
-    if mesh is None or mesh.size == 1 or _axis_kinds(mesh) & {"Manual", "Explicit"}:
-        # Inside shard_map every array is local already; meshes with Explicit
-        # axes are not supported by jaxslices' lookups yet (docs/scale_out.md).
-        return tree
-    replicated = NamedSharding(mesh, P())
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), tree)
 
 
 # ------------------------------------------------------------- placement

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _typed_indices
+from . import _layout, _typed_indices
 
 __all__ = [
     "IndexedSlices",
@@ -646,7 +646,9 @@ def global_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(sum(sum_of_squares(x) for x in leaves))
 
 
-def _check_target(x: Any, s: IndexedSlices, where: str) -> jax.Array:
+def _check_target(
+    x: Any, s: IndexedSlices, where: str
+) -> tuple[jax.Array, IndexedSlices]:
     check_slices(s, where)
     x = jnp.asarray(x)
     if tuple(x.shape) != s.dense_shape:
@@ -654,7 +656,9 @@ def _check_target(x: Any, s: IndexedSlices, where: str) -> jax.Array:
             f"{where}: `x` must have the slices' dense shape {s.dense_shape}, got "
             f"shape {tuple(x.shape)}."
         )
-    return x
+    # Under jit over a mesh: the slices' rows on every device before the
+    # scatter, so XLA never scatters into a zero table and all-reduces it.
+    return x, _layout.replicate_rows(x, s)
 
 
 def scatter_add(x: jax.Array, s: IndexedSlices) -> jax.Array:
@@ -669,13 +673,13 @@ def scatter_add(x: jax.Array, s: IndexedSlices) -> jax.Array:
       >>> jaxslices.scatter_add(jnp.zeros(3), s)
       Array([0., 2., 0.], dtype=float32)
     """
-    x = _check_target(x, s, "scatter_add")
+    x, s = _check_target(x, s, "scatter_add")
     return x.at[safe_indices(s)].add(s.values.astype(x.dtype), mode="drop")
 
 
 def scatter_sub(x: jax.Array, s: IndexedSlices) -> jax.Array:
     """``x.at[s.indices].add(-s.values)`` with padding and invalid slots dropped."""
-    x = _check_target(x, s, "scatter_sub")
+    x, s = _check_target(x, s, "scatter_sub")
     return x.at[safe_indices(s)].add(-s.values.astype(x.dtype), mode="drop")
 
 
@@ -692,7 +696,7 @@ def scatter_update(x: jax.Array, s: IndexedSlices) -> jax.Array:
       >>> jaxslices.scatter_update(jnp.zeros(2), s)
       Array([2., 0.], dtype=float32)
     """
-    x = _check_target(x, s, "scatter_update")
+    x, s = _check_target(x, s, "scatter_update")
     n = s.num_slices
     if n == 0:
         return x

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import sharding, slices
+from . import slices
 from .slices import IndexedSlices, check_slices
 
 __all__ = ["apply_updates"]
@@ -42,7 +42,7 @@ def _apply_leaf(path: Any, p: Any, u: Any) -> Any:
             "these params?"
         )
     if isinstance(u, IndexedSlices):
-        return slices.scatter_add(p, sharding.replicate_rows(p, u))
+        return slices.scatter_add(p, u)  # lays the rows out on a mesh first
     return (p + u).astype(p.dtype)
 
 

@@ -121,6 +121,36 @@ def test_data_parallel_no_table_sized_collective(name):
     assert out[0]["emb"].sharding.is_equivalent_to(rep, 2)
 
 
+@pytest.mark.parametrize("apply", ["optax.apply_updates", "params + updates"])
+def test_data_parallel_with_optax_apply_updates(apply):
+    """``optax.apply_updates`` (``p + s``) goes through the same scatter hook."""
+    m = _mesh.mesh()
+    rep, bat = _mesh.replicated(m), NamedSharding(m, P("data"))
+    tx = js.sgd(0.5)
+    params0 = _mesh.init_params(V, D)
+    ids, y = _mesh.batch(V, B, L)
+
+    def step(params, state, ids, y):
+        loss, grads = js.value_and_grad(_mesh.loss_fn)(params, ids, y)
+        updates, state = tx.update(grads, state, params)
+        if apply == "optax.apply_updates":
+            new = optax.apply_updates(params, updates)
+        else:
+            new = {k: params[k] + updates[k] for k in params}
+        return new, state, loss
+
+    ref = jax.jit(_mesh.make_step(tx))(params0, tx.init(params0), ids, y)
+    args = (
+        jax.device_put(params0, rep),
+        jax.device_put(tx.init(params0), rep),
+        jax.device_put(ids, bat),
+        jax.device_put(y, bat),
+    )
+    compiled = jax.jit(step).lower(*args).compile()
+    _hlo.assert_no_table_sized(compiled, V, D)
+    _mesh.assert_trees_close(compiled(*args), ref)
+
+
 def test_data_parallel_bytes_do_not_grow_with_the_table():
     small = _dp_bytes(V)
     big = _dp_bytes(4 * V)
