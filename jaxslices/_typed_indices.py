@@ -97,6 +97,9 @@ DTYPE32 = jax.eval_shape(
 DTYPE64 = jax.eval_shape(
     lambda: jax.random.wrap_key_data(jnp.zeros((0, 2), jnp.uint32), impl=IMPL64)
 ).dtype
+#: The implementation names a checkpoint stores for typed indices (see
+#: :func:`_register_names`).
+NAMES = {DTYPE32: "jaxslices_indices_int32", DTYPE64: "jaxslices_indices_int64"}
 
 
 def is_typed(x: Any) -> bool:
@@ -107,23 +110,38 @@ def is_typed(x: Any) -> bool:
     return dtype == DTYPE32 or dtype == DTYPE64
 
 
+def x64_enabled() -> bool:
+    """Whether JAX has 64-bit integers now (``jax_enable_x64``)."""
+    return jax.dtypes.canonicalize_dtype(jnp.int64) == jnp.int64
+
+
+def needs_int64(num_rows: int) -> bool:
+    """Whether the padding index ``num_rows`` needs int64 ids (> ``2**31 - 1``)."""
+    return num_rows > INT32_MAX
+
+
 def wrap(indices: Any, num_rows: int) -> Any:
     """Integer ids ``[..., N]`` -> typed indices ``[..., N]`` (no copy under jit).
 
-    ids of at most 32 bits become int32 (uint32 bit-cast: ids >= 2**31 turn
-    negative, i.e. stay invalid). 64-bit ids stay 64-bit when ``num_rows`` needs
-    it; otherwise they are narrowed to int32 after mapping every id outside
-    ``[0, num_rows]`` to -1, so no out-of-range id can wrap into a valid row.
+    For ``num_rows`` up to ``2**31 - 1``: ids of at most 32 bits become int32
+    (uint32 bit-cast: ids >= 2**31 turn negative, i.e. stay invalid, as they are
+    for such a table); 64-bit ids are narrowed to int32 after mapping every id
+    outside ``[0, num_rows]`` to -1, so no out-of-range id can wrap into a valid
+    row. For more rows (``jax_enable_x64`` required, checked by the caller) ids
+    are int64: 64-bit ids bit-cast, narrower ones (uint32 ids >= 2**31
+    included) converted by value.
     """
     dtype = jnp.dtype(indices.dtype)
-    wide = dtype.itemsize == 8 and num_rows > INT32_MAX
+    wide = needs_int64(num_rows)
     if isinstance(indices, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(
             indices.shape, DTYPE64 if wide else DTYPE32, sharding=indices.sharding
         )
     if wide:
         ids = indices
-        if dtype != jnp.int64:
+        if dtype.itemsize != 8:
+            ids = ids.astype(jnp.int64)  # value-preserving (uint32 included)
+        elif dtype != jnp.int64:
             ids = jax.lax.bitcast_convert_type(ids, jnp.int64)
         words = jax.lax.bitcast_convert_type(ids, jnp.uint32)  # [..., N, 2]
         return _with_messages(jax.random.wrap_key_data(words, impl=IMPL64))
@@ -149,10 +167,12 @@ def unwrap(typed: Any) -> Any:
         raise TypeError(
             "IndexedSlices: the `indices` child of this IndexedSlices is a "
             f"{type(typed).__name__} of dtype {getattr(typed, 'dtype', None)}, not "
-            "the typed indices jaxslices stores. It was probably rebuilt with "
-            "jax.tree.unflatten / jax.tree.map from leaves that did not come from "
-            "an IndexedSlices. Build it with IndexedSlices(values, indices, "
-            "dense_shape) from plain integer indices instead."
+            "the typed indices jaxslices stores, so it holds no row ids. It was "
+            "rebuilt by jax.tree.map / jax.tree.unflatten from other leaves: "
+            "jax.tree.map(f, grads) applies f to the indices too (e.g. "
+            "jnp.isnan gives bools). To apply f to the values and keep the ids, "
+            "use jaxslices.tree_map_values(f, grads); to build slices, use "
+            "IndexedSlices(values, indices, dense_shape) with plain integer ids."
         )
     words = jax.random.key_data(typed)
     if typed.dtype == DTYPE32:
@@ -160,6 +180,120 @@ def unwrap(typed: Any) -> Any:
             jax.lax.squeeze(words, (words.ndim - 1,)), jnp.int32
         )
     return jax.lax.bitcast_convert_type(words, jnp.int64)
+
+
+# ------------------------------------- checkpoints and array constructors
+#
+# Two more touch points on JAX internals, each checked structurally when this
+# module is imported (no backend is started) and each with a fallback that is
+# an error, never a wrong number. They belong with the other private names in
+# the compatibility module (``_jax_compat``) once it lands; until then they
+# live here, where the typed indices are defined.
+#
+# * ``key_impl_names``: checkpointers store a key array as its ``uint32`` words
+#   plus ``str(jax.random.key_impl(x))`` and rebuild it with
+#   ``jax.random.wrap_key_data(words, impl=that_string)`` (Orbax does exactly
+#   this). JAX resolves such a string only for implementations in its registry
+#   of named PRNGs (``jax._src.random.prng.prngs``); ``define_prng_impl`` does
+#   not add to it, and restoring failed with "unrecognized PRNG
+#   implementation". :func:`_register_names` adds the two typed-indices
+#   implementations under :data:`NAMES`. Fallback (registry not found): Orbax
+#   saves but cannot restore; ``tests/test_checkpoint.py`` fails on such a JAX.
+# * ``key_full_rule``: ``jnp.zeros_like``, ``ones_like``, ``full_like``,
+#   ``empty_like`` and ``lax.full`` of a key array call the key dtype's rule
+#   ``dtype._rules.full(shape, fill_value, dtype)``, which broadcasts the number
+#   into the key's words: on typed indices every id became 0, 1 or the fill
+#   value, silently (``jax.tree.map(jnp.ones_like, grads)``,
+#   ``optax.tree.full_like``). :func:`_install_full_rule` wraps that rule so
+#   that a *numeric* fill of typed indices raises a ``TypeError`` naming
+#   ``IndexedSlices`` and the fix, at trace time (so also under ``jit``); a fill
+#   with typed indices (broadcasting an existing id) and empty results are
+#   allowed, and every other key dtype goes to JAX's rule untouched. Fallback
+#   (rule not found): the wrong ids stay possible; the tests fail on such a JAX.
+
+
+def _impl_of(dtype: Any) -> Any:
+    return getattr(dtype, "_impl", None)
+
+
+def _register_names() -> bool:
+    """Put the typed-indices implementations in JAX's registry of named PRNGs.
+
+    Entry ``key_impl_names`` (see above). Returns whether
+    ``jax.random.key_impl`` of typed indices now gives a name that
+    ``jax.random.wrap_key_data(..., impl=name)`` resolves to the same dtype.
+    """
+    import sys
+
+    try:
+        for dtype, name in NAMES.items():
+            impl = _impl_of(dtype)
+            registry = getattr(sys.modules.get(type(impl).__module__), "prngs", None)
+            if impl is None or impl.name != name or not isinstance(registry, dict):
+                return False
+            known = registry.get(name)
+            if known is not None and getattr(known, "tag", None) != TAG:
+                return False  # the name is taken by something else
+            registry[name] = impl  # also replaces ours after a module reload
+            probe = jax.eval_shape(
+                lambda n=name, w=impl.key_shape[0]: jax.random.wrap_key_data(
+                    jnp.zeros((0, w), jnp.uint32), impl=n
+                )
+            )
+            if probe.dtype != dtype:
+                return False
+        return True
+    except Exception:  # noqa: BLE001 - never break `import jaxslices`
+        return False
+
+
+def _fill_error(fill_value: Any) -> TypeError:
+    return TypeError(
+        "jnp.zeros_like / ones_like / full_like / empty_like (or lax.full) of the "
+        "indices of a jaxslices IndexedSlices would replace every row id by "
+        f"{fill_value!r}: generic code applied an array constructor to every leaf "
+        "of a gradient tree, e.g. jax.tree.map(jnp.ones_like, grads) or "
+        "optax.tree.full_like(grads, c). Use jaxslices.tree_map_values(fn, grads), "
+        "which applies fn to the values of each IndexedSlices and keeps its "
+        "indices (jaxslices.tree_map_values(jnp.zeros_like, grads) is a zero "
+        "gradient of the same rows), or densify first with jaxslices.to_dense("
+        "grads). " + FIX
+    )
+
+
+def _install_full_rule() -> bool:
+    """Entry ``key_full_rule`` (see above): numeric fills of typed indices raise."""
+    try:
+        rules = DTYPE32._rules
+        if DTYPE64._rules is not rules:
+            return False
+        original = inspect.getattr_static(rules, "full", None)
+        if getattr(original, "_jaxslices", False):
+            return True
+        if not isinstance(original, staticmethod):
+            return False
+        params = list(inspect.signature(original.__func__).parameters)
+        if params != ["shape", "fill_value", "dtype"]:
+            return False
+        jax_full = original.__func__
+
+        def full(shape, fill_value, dtype):
+            ours = dtype == DTYPE32 or dtype == DTYPE64
+            typed_fill = is_typed(fill_value)
+            if ours and not typed_fill and int(np.prod(shape)) > 0:
+                raise _fill_error(fill_value)
+            return jax_full(shape, fill_value, dtype)
+
+        full._jaxslices = True  # type: ignore[attr-defined]
+        rules.full = staticmethod(full)
+        return True
+    except Exception:  # noqa: BLE001 - never break `import jaxslices`
+        return False
+
+
+#: Whether each entry above could be applied on this JAX (tests assert both).
+NAMES_REGISTERED = _register_names()
+FULL_RULE_INSTALLED = _install_full_rule()
 
 
 # ------------------------------------------------ eager error messages

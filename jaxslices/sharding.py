@@ -44,7 +44,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _tape
+from . import _errors, _tape
 from . import updates as updates_
 from ._layout import _abstract_mesh, replicate_rows
 from ._layout import all_gather_invariant as _all_gather_invariant
@@ -194,21 +194,24 @@ def _check_routing(routing: str, where: str, capacity: Any = None) -> None:
         )
 
 
-def _raise_overflow(overflow, needed, capacity, where):
-    if bool(overflow):
-        raise ValueError(
-            f"{where}(routing='all_to_all'): a device has {int(needed)} distinct "
-            f"ids for one shard, more than capacity={int(capacity)} slots. Nothing "
-            f"was dropped: the step stops here. Pass capacity >= {int(needed)} (or "
-            "capacity=None, which never overflows), or use routing='masked'."
-        )
+def _overflow_error(needed: int, *, capacity: int, where: str) -> ValueError:
+    return ValueError(
+        f"{where}(routing='all_to_all'): a device has {needed} distinct ids for "
+        f"one shard, more than capacity={capacity} slots. Nothing was dropped: "
+        f"the step stops here, on every device. Pass capacity >= {needed} (or "
+        "capacity=None, which never overflows), or use routing='masked'."
+    )
 
 
 def _bucket(ids: jax.Array, rows_per_shard: int, shards: int, capacity: int, where):
     """Destination (shard, slot) of each of ``ids`` (sorted unique, padding last).
 
     Returns ``(shard, slot, ok)``; ``ok`` is False for padding and for ids past a
-    destination's capacity (which raise at run time).
+    destination's capacity. Called inside ``shard_map``: if any device has more
+    ids for one shard than ``capacity``, every device raises (the largest
+    count over all devices in the message) before any exchange, because
+    every buffer sent is built from the checked ``slot``
+    (:func:`jaxslices._errors.raise_if`).
     """
     total = rows_per_shard * shards
     valid = (ids >= 0) & (ids < total)
@@ -216,11 +219,15 @@ def _bucket(ids: jax.Array, rows_per_shard: int, shards: int, capacity: int, whe
     start = jnp.searchsorted(shard, jnp.arange(shards, dtype=jnp.int32), side="left")
     pos = jnp.arange(ids.shape[0], dtype=jnp.int32)
     slot = pos - start[jnp.minimum(shard, shards - 1)]
-    over = valid & (slot >= capacity)
     needed = jnp.max(jnp.where(valid, slot + 1, 0))
-    jax.debug.callback(
-        _raise_overflow, jnp.any(over), needed, capacity, where, ordered=False
+    slot = _errors.raise_if(
+        needed > capacity,
+        slot,
+        functools.partial(_overflow_error, capacity=capacity, where=where),
+        needed,
+        reduce=("max",),
     )
+    over = valid & (slot >= capacity)
     return shard, slot, valid & ~over
 
 

@@ -126,7 +126,9 @@ def tree_map_values(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
     clipping values): ``fn`` sees the slots, not the summed rows.
 
     Args:
-      fn: array -> array, keeping the leading dimension.
+      fn: array -> array. On a slices leaf it must keep the values' shape
+        ``[N, *dense_shape[1:]]`` (a ``ValueError`` names the leaf otherwise);
+        its dtype may change.
       tree: a gradient tree.
 
     Returns:
@@ -145,7 +147,21 @@ def tree_map_values(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
             return None
         if isinstance(g, IndexedSlices):
             check_slices(g, _where("tree_map_values", path))
-            return _replace_values(g, fn(g.values))
+            values = fn(g.values)
+            want = (g.num_slices, *g.row_shape)
+            got = getattr(values, "shape", None)
+            if got is None or tuple(got) != want:
+                what = type(values).__name__ if got is None else f"shape {got}"
+                raise ValueError(
+                    f"{_where('tree_map_values', path)}: `fn` must keep the shape "
+                    f"of the values of an IndexedSlices, {want} (one row of shape "
+                    f"dense_shape[1:] = {g.row_shape} per slot), but it returned "
+                    f"{what}. fn sees the slots' rows, so it must act row by row "
+                    "and keep the row shape (scaling, casting, clipping values). To "
+                    "reduce or reshape rows, densify first: "
+                    "fn(jaxslices.to_dense(tree))."
+                )
+            return _replace_values(g, values)
         return fn(g)
 
     return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=_is_leaf)
