@@ -200,16 +200,21 @@ def unwrap(typed: Any) -> Any:
 #   implementations under :data:`NAMES`. Fallback (registry not found): Orbax
 #   saves but cannot restore; ``tests/test_checkpoint.py`` fails on such a JAX.
 # * ``key_full_rule``: ``jnp.zeros_like``, ``ones_like``, ``full_like``,
-#   ``empty_like`` and ``lax.full`` of a key array call the key dtype's rule
-#   ``dtype._rules.full(shape, fill_value, dtype)``, which broadcasts the number
-#   into the key's words: on typed indices every id became 0, 1 or the fill
-#   value, silently (``jax.tree.map(jnp.ones_like, grads)``,
-#   ``optax.tree.full_like``). :func:`_install_full_rule` wraps that rule so
-#   that a *numeric* fill of typed indices raises a ``TypeError`` naming
-#   ``IndexedSlices`` and the fix, at trace time (so also under ``jit``); a fill
-#   with typed indices (broadcasting an existing id) and empty results are
-#   allowed, and every other key dtype goes to JAX's rule untouched. Fallback
-#   (rule not found): the wrong ids stay possible; the tests fail on such a JAX.
+#   ``lax.full`` (and ``empty_like`` before JAX 0.11) of a key array call the
+#   key dtype's rule ``dtype._rules.full(shape, fill_value, dtype)``, which
+#   broadcasts the number into the key's words: on typed indices every id
+#   became 0, 1 or the fill value, silently (``jax.tree.map(jnp.ones_like,
+#   grads)``, ``optax.tree.full_like``). :func:`_install_full_rule` wraps that
+#   rule, at trace time (so also under ``jit``), for typed indices only: a
+#   non-zero or traced numeric fill raises a ``TypeError`` naming
+#   ``IndexedSlices`` and the fix; a zero fill (``zeros_like`` mapped over a
+#   whole gradient tree: zero values) gives id -1, invalid, so the result is a
+#   zero gradient that touches no row (what ``optax.apply_if_finite`` returns
+#   on a rejected step); a fill with typed indices (broadcasting an existing
+#   id) and empty results are JAX's. Every other key dtype goes to JAX's rule
+#   untouched. Fallback (rule not found): the wrong ids stay possible; the
+#   tests fail on such a JAX. (``jnp.empty_like`` on JAX >= 0.11 is
+#   uninitialized memory, ids and values alike, as JAX documents.)
 
 
 def _impl_of(dtype: Any) -> Any:
@@ -249,16 +254,26 @@ def _register_names() -> bool:
 
 def _fill_error(fill_value: Any) -> TypeError:
     return TypeError(
-        "jnp.zeros_like / ones_like / full_like / empty_like (or lax.full) of the "
-        "indices of a jaxslices IndexedSlices would replace every row id by "
-        f"{fill_value!r}: generic code applied an array constructor to every leaf "
-        "of a gradient tree, e.g. jax.tree.map(jnp.ones_like, grads) or "
-        "optax.tree.full_like(grads, c). Use jaxslices.tree_map_values(fn, grads), "
-        "which applies fn to the values of each IndexedSlices and keeps its "
-        "indices (jaxslices.tree_map_values(jnp.zeros_like, grads) is a zero "
-        "gradient of the same rows), or densify first with jaxslices.to_dense("
-        "grads). " + FIX
+        "jnp.ones_like / full_like (or lax.full) of the indices of a jaxslices "
+        f"IndexedSlices would replace every row id by {fill_value!r}: generic "
+        "code applied an array constructor to every leaf of a gradient tree, "
+        "e.g. jax.tree.map(jnp.ones_like, grads) or optax.tree.full_like(grads, "
+        "c). Use jaxslices.tree_map_values(fn, grads), which applies fn to the "
+        "values of each IndexedSlices and keeps its indices, or densify first "
+        "with jaxslices.to_dense(grads). (A zero fill is allowed: "
+        "jax.tree.map(jnp.zeros_like, grads) is a zero gradient that touches no "
+        "row.) " + FIX
     )
+
+
+def _is_zero(fill_value: Any) -> bool:
+    """A concrete zero (``zeros_like``, ``empty_like``, ``full_like(x, 0)``)."""
+    if isinstance(fill_value, jax.core.Tracer):
+        return False
+    try:
+        return bool(np.all(np.asarray(fill_value) == 0))
+    except (TypeError, ValueError):
+        return False
 
 
 def _install_full_rule() -> bool:
@@ -279,9 +294,12 @@ def _install_full_rule() -> bool:
 
         def full(shape, fill_value, dtype):
             ours = dtype == DTYPE32 or dtype == DTYPE64
-            typed_fill = is_typed(fill_value)
-            if ours and not typed_fill and int(np.prod(shape)) > 0:
-                raise _fill_error(fill_value)
+            if ours and not is_typed(fill_value) and int(np.prod(shape)) > 0:
+                if not _is_zero(fill_value):
+                    raise _fill_error(fill_value)
+                # A zero gradient (zeros_like, empty_like, optax's rejected
+                # step in apply_if_finite) touches no row: id -1, all words set.
+                fill_value = np.uint32(0xFFFFFFFF)
             return jax_full(shape, fill_value, dtype)
 
         full._jaxslices = True  # type: ignore[attr-defined]

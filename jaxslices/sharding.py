@@ -44,7 +44,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _errors, _tape
+from . import _errors, _layout, _tape
 from . import updates as updates_
 from ._layout import _abstract_mesh, replicate_rows
 from ._layout import all_gather_invariant as _all_gather_invariant
@@ -434,10 +434,13 @@ def sharded_update(
     * ``routing="all_to_all"``: each device sums its local gradient rows per id
       and sends them to their owner shard (``capacity`` slots per shard; see
       :func:`sharded_lookup`); the optimizer then runs on each shard, on the
-      rows it owns. The table transforms must therefore be row-wise (every
-      jaxslices transform but :func:`jaxslices.clip_by_global_norm`, whose
-      norm would be per shard; ``shard_map``'s replication check raises if
-      such a per-shard value reaches a replicated parameter).
+      rows it owns. Every jaxslices transform works: the row-wise ones need
+      nothing else, and the two that look at all rows at once sum over the
+      shards (:func:`jaxslices.clip_by_global_norm`'s norm,
+      :func:`jaxslices.apply_if_finite`'s test). A stock Optax transform that
+      reduces over a table's gradient would see one shard's rows; JAX's
+      ``shard_map`` check then raises where such a per-shard value reaches a
+      replicated parameter.
 
     Args:
       tx: the optimizer, e.g. ``jaxslices.lazy_adam(1e-3)``.
@@ -535,7 +538,8 @@ def sharded_update(
             local_grads.append(g)
         grads_ = jax.tree.unflatten(treedef, local_grads)
         params_ = jax.tree.unflatten(treedef, p_flat)
-        updates, new_state = tx.update(grads_, state, params_)
+        with _layout.rows_sharded_over(axis):  # global norms sum over shards
+            updates, new_state = tx.update(grads_, state, params_)
         return jax.tree.leaves(updates_.apply_updates(params_, updates)), new_state
 
     new_leaves, new_state = _shard_map(

@@ -58,12 +58,14 @@ __all__ = [
 ]
 
 _CORRUPTED_INDICES_HINT = (
-    "Indices of an IndexedSlices must be integers. Float indices usually mean a "
-    "leaf-wise Optax transform (optax.scale, optax.sgd, optax.adam, ...) was "
-    "applied to a gradient tree holding IndexedSlices: it maps over `indices` as "
-    "if they were a parameter and corrupts them. Use the jaxslices transform of "
-    "the same name (jaxslices.sgd, jaxslices.scale, jaxslices.lazy_adam, ...), or "
-    "route the sparse leaves away from stock Optax with optax.multi_transform."
+    "Indices of an IndexedSlices must be integers. Other indices usually mean a "
+    "function was mapped over every leaf of a gradient tree, indices included: "
+    "jax.tree.map(f, grads) (jnp.isnan gives bools), or a leaf-wise Optax "
+    "transform (optax.scale, optax.sgd, optax.adam, ...). To apply f to the "
+    "values and keep the ids, use jaxslices.tree_map_values(f, grads); for "
+    "optimizers, the jaxslices transform of the same name (jaxslices.sgd, "
+    "jaxslices.scale, jaxslices.lazy_adam, ...), or route the sparse leaves away "
+    "from stock Optax with optax.multi_transform."
 )
 
 
