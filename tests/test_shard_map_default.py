@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxslices as js
@@ -135,13 +134,7 @@ def test_data_parallel_step_of_the_docs(name):
         return js.apply_updates(params, updates), state, loss
 
     step = _smap(per_device, (P(), P(), P("data"), P("data")), (P(), P(), P()))
-    rep, bat = _mesh.replicated(m), NamedSharding(m, P("data"))
-    args = (
-        jax.device_put(params0, rep),
-        jax.device_put(tx.init(params0), rep),
-        jax.device_put(ids, bat),
-        jax.device_put(y, bat),
-    )
+    args = _mesh.data_parallel_args(m, tx, params0, ids, y)
     compiled = step.lower(*args).compile()
     _hlo.assert_no_table_sized(compiled, V, D)
     ref_params, ref_state, _ = ref
