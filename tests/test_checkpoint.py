@@ -333,3 +333,22 @@ def test_typed_indices_names_are_registered_with_jax():
     assert name == "jaxslices_indices_int32"
     rebuilt = jax.random.wrap_key_data(jax.random.key_data(s._indices), impl=name)
     assert rebuilt.dtype == s._indices.dtype
+
+
+@pytest.mark.parametrize("flax_first", [False, True])
+def test_flax_registration_needs_nothing_and_does_not_import_flax(flax_first):
+    code = (
+        ("from flax import serialization\n" if flax_first else "")
+        + "import sys\nimport jaxslices as js\n"
+        + ("" if flax_first else "assert 'flax' not in sys.modules\n")
+        + "import jax.numpy as jnp\nfrom flax import serialization\n"
+        "s = js.IndexedSlices(jnp.ones((2, 1)), jnp.array([3, 0]), (4, 1))\n"
+        "back = serialization.from_bytes(s, serialization.to_bytes(s))\n"
+        "assert back.indices.tolist() == [3, 0] and back.dense_shape == (4, 1)\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, timeout=300
+    )
+    assert proc.returncode == 0 and b"ok" in proc.stdout, proc.stderr.decode()[-3000:]

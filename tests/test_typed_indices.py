@@ -489,3 +489,33 @@ def test_tree_map_values_refuses_a_function_that_changes_the_row_shape():
         rtol=1e-2,
         atol=1e-2,
     )
+
+
+def test_ids_at_the_int32_edge_under_x64():
+    """Issue 18, item 8: uint32 ids >= 2**31 of a table of more rows, messages."""
+    code = f"""
+import sys; sys.path.insert(0, {str(ROOT)!r})
+import jax; jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp, numpy as np, pytest, jaxslices as js
+v = 2**31 + 10
+ids = np.array([2**31 + 5, 3, 2**32 - 1, v], np.uint32)  # 2**32 - 1 >= v: invalid
+s = js.IndexedSlices(jnp.ones((4, 1)), ids, (v, 1))
+assert s.indices.dtype == jnp.int64, s.indices.dtype
+assert s.indices.tolist() == [2**31 + 5, 3, 2**32 - 1, v], s.indices
+assert js.coalesce(s).indices.tolist() == [3, 2**31 + 5, v, v]
+assert jax.jit(lambda t: t)(s).indices.tolist() == s.indices.tolist()
+with pytest.raises(ValueError, match="int32 cannot hold the padding index.*int64"):
+    js.IndexedSlices(jnp.ones(1), np.array([1], np.int32), (v,))
+with pytest.raises(ValueError, match="int8 cannot hold.*use int32 indices"):
+    js.IndexedSlices(jnp.ones(1), np.array([1], np.int8), (300,))
+print("ok")
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_huge_tables_without_x64_say_how_to_enable_it():
+    with pytest.raises(ValueError, match=r"jax_enable_x64"):
+        IndexedSlices(jnp.ones((1, 1)), np.array([5], np.uint32), (2**31 + 10, 1))
