@@ -68,16 +68,21 @@ def _is_traced(*xs: Any) -> bool:
 
 
 def _manual_axes() -> tuple[str, ...]:
-    """The mesh axes that are manual here (inside ``shard_map``), in mesh order."""
+    """The manual mesh axes here (inside ``shard_map``) with more than one device.
+
+    In mesh order. Axes of one device need no reduction (and get none: a
+    one-device step has no collective).
+    """
     get = getattr(jax.sharding, "get_abstract_mesh", None)
     mesh = get() if get is not None else None
     if mesh is None or getattr(mesh, "empty", True):
         return ()
     types = getattr(mesh, "axis_types", None) or ()
+    sizes = dict(mesh.shape)
     return tuple(
         name
         for name, kind in zip(mesh.axis_names, types, strict=False)
-        if str(kind).rsplit(".", 1)[-1] == "Manual"
+        if str(kind).rsplit(".", 1)[-1] == "Manual" and sizes.get(name, 1) > 1
     )
 
 
@@ -112,7 +117,7 @@ def _fire(error: Callable[..., Exception], pred: Any, payload: Sequence[Any]) ->
 
     def passed(pred, *payload):
         del payload
-        return jnp.zeros(jnp.shape(pred), jnp.int32)
+        return jnp.zeros_like(pred, jnp.int32)  # varies like pred (shard_map)
 
     return jax.lax.cond(pred, failed, passed, pred, *payload)
 

@@ -143,7 +143,7 @@ def _check_ids(
     if ids.size == 0:
         return ids
     if not isinstance(ids, jax.core.Tracer) and not _has_tracer(counted):
-        ids = np.asarray(ids)
+        given, ids = ids, np.asarray(ids)
         counted = np.ones(ids.shape, bool) if counted is None else np.asarray(counted)
         bad = counted & ~_valid(ids, num_rows)
         if bad.any():
@@ -157,7 +157,7 @@ def _check_ids(
                     int(checked.max()),
                 )
             )
-        return ids
+        return given
     ids = jnp.asarray(ids)
     counted = jnp.ones(ids.shape, bool) if counted is None else jnp.asarray(counted)
     info = jnp.iinfo(ids.dtype)
