@@ -7,7 +7,7 @@ train state may hold gradients. Every way of saving such a tree restores it
 bit for bit, with nothing to register by hand:
 
 * **Orbax** (``StandardCheckpointer``, ``CheckpointManager`` with
-  ``StandardSave`` / ``StandardRestore``, ``PyTreeCheckpointer``) flattens the
+  ``StandardSave`` / ``StandardRestore``) flattens the
   tree with JAX's pytree functions and saves the typed indices as what they are
   to JAX, an extended-dtype (key) array: its ``uint32`` words plus the name of
   its implementation, with which it rebuilds them on restore. jaxslices

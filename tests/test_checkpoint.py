@@ -20,6 +20,7 @@ fails at save time with an error naming ``IndexedSlices``.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -256,12 +257,12 @@ def test_pickle(name):
 def test_pickle_keeps_coalesced_flags_and_negative_ids():
     s = IndexedSlices(jnp.ones(4), jnp.array([3, -2, 3, 9]), (5,))
     for t in (s, js.coalesce(s)):
-        u = pickle.loads(pickle.dumps(t))
-        assert_bitwise_equal(u, t)
-        assert (u.unique_indices, u.indices_sorted) == (
-            t.unique_indices,
-            t.indices_sorted,
-        )
+        for u in (pickle.loads(pickle.dumps(t)), copy.deepcopy(t)):
+            assert_bitwise_equal(u, t)
+            assert (u.unique_indices, u.indices_sorted) == (
+                t.unique_indices,
+                t.indices_sorted,
+            )
 
 
 # --------------------------------------------------------- fresh process
