@@ -26,23 +26,25 @@ precision casts call) raise ``NotImplementedError: Cannot call abstract method``
 which does not name ``IndexedSlices``. :func:`_install_messages` replaces those
 methods on JAX's key-array class by ones that raise a ``TypeError`` naming
 ``IndexedSlices`` and the fix *for jaxslices indices only* and call JAX's own
-method for every other key. That class is private to JAX, so this is the one
-place jaxslices touches it: found as ``type(`` of a wrapped array ``)``, applied
-only for JAX versions known to have that layout (0.5.3 up to 0.11), and skipped
-(JAX's message stays) otherwise. Under ``jit`` no patch is needed: traced key
-arrays raise ``TypeError`` with the tag.
+method for every other key. That class is private to JAX: it is found as
+``type(`` of a wrapped array ``)`` and patched through
+:mod:`jaxslices._jax_compat` (entry ``key_array_class``), only for JAX versions
+known to have that layout (0.5.3 up to the 0.12 line; checked in CI on 0.10.2
+and 0.12.0.1), and skipped (JAX's message stays) otherwise. Under ``jit`` no
+patch is needed: traced key arrays raise ``TypeError`` with the tag.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import define_prng_impl
+
+from . import _jax_compat
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -165,21 +167,10 @@ def unwrap(typed: Any) -> Any:
 # ------------------------------------------------ eager error messages
 
 
-_KNOWN_JAX = ((0, 5, 3), (0, 12, 0))  # versions whose key-array class was checked
-
-
-def _jax_version() -> tuple[int, ...]:
-    parts = []
-    for p in jax.__version__.split(".")[:3]:
-        digits = "".join(c for c in p if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
 def _raising(name: str, original: Any) -> Any:
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        if is_typed(self):
+        if is_typed(self) and _jax_compat.AVAILABLE["key_array_class"]:
             raise TypeError(
                 f"`.{name}` of the indices of a jaxslices IndexedSlices "
                 f"(dtype key<{TAG}>): {FIX}"
@@ -206,33 +197,12 @@ def _install_messages(cls: type) -> bool:
     """Make eager abstract methods on our key arrays name IndexedSlices.
 
     ``cls`` is the class of a concrete typed-indices array. Returns whether the
-    messages were installed (``False`` on an unknown JAX version or class layout:
-    JAX's ``NotImplementedError`` then stays).
+    messages were installed (``False`` on an untested JAX version or an
+    unknown class layout: JAX's ``NotImplementedError`` then stays). The
+    class is private to JAX: :func:`jaxslices._jax_compat.patch_key_array_class`
+    does the patching and holds the version gate.
     """
-    lo, hi = _KNOWN_JAX
-    if not lo <= _jax_version() < hi:
-        return False
-    try:
-        if getattr(cls, "_jaxslices_messages", False):
-            return True
-        names = ["__array__"]
-        for name in dir(cls):
-            attr = inspect.getattr_static(cls, name)
-            fn = attr.fget if isinstance(attr, property) else attr
-            if getattr(fn, "__isabstractmethod__", False):
-                names.append(name)
-        for name in names:
-            attr = inspect.getattr_static(cls, name, None)
-            if attr is None:
-                continue
-            if isinstance(attr, property):
-                setattr(cls, name, property(_raising(name, attr.fget)))
-            elif callable(attr):
-                setattr(cls, name, _raising(name, attr))
-        cls._jaxslices_messages = True
-        return True
-    except Exception:  # noqa: BLE001 - never break `import jaxslices` over a message
-        return False
+    return _jax_compat.patch_key_array_class(cls, _raising)
 
 
 #: ``None`` until the first concrete typed array is made, then whether the

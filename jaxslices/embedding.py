@@ -87,9 +87,12 @@ def _lookup_fwd(table, ids):
 
 def _lookup_bwd(res, ct):
     table, ids = res
-    grad = jnp.zeros(table.shape, ct.dtype)
-    grad = grad.at[ids].add(ct, mode="drop")
-    return grad.astype(table.dtype), None
+    # The gather's own transpose (a scatter-add into zeros, padding dropped),
+    # taken by JAX: inside shard_map(check_vma=True) with ids varying over
+    # axes the table does not, JAX also sums it over those axes, as the
+    # cotangent of the (invariant) table must be.
+    (grad,) = jax.linear_transpose(lambda t: _gather(t, ids), table)(ct)
+    return grad, None
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
