@@ -11,7 +11,7 @@ bit for bit, with nothing to register by hand:
   tree with JAX's pytree functions and saves the typed indices as what they are
   to JAX, an extended-dtype (key) array: its ``uint32`` words plus the name of
   its implementation, with which it rebuilds them on restore. jaxslices
-  registers those names with JAX at import (``_typed_indices._register_names``),
+  registers those names with JAX at import (``_jax_compat.register_key_impl_names``),
   so a restore into the live state, into an abstract target from
   ``jax.eval_shape``, or with no target at all gives the same ids.
 * **Flax msgpack** (``flax.serialization.to_bytes`` / ``from_bytes``,

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from . import _layout, _tape
+from . import _jax_compat, _layout
 from ._rowwise import is_leaf
 from .slices import IndexedSlices
 
@@ -46,8 +46,10 @@ def _zeros(x):
 
 
 def _vary_as(zeros: jax.Array, like) -> jax.Array:
-    axes = tuple(sorted(_tape._vma(like)))
-    return _tape._pvary(zeros, axes) if axes else zeros
+    axes = tuple(sorted(_jax_compat.varying_axes(like) or ()))
+    if axes and _jax_compat.AVAILABLE["pcast_varying"]:
+        return _jax_compat.pcast_varying(zeros, axes)
+    return zeros
 
 
 def apply_if_finite(

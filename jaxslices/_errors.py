@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from . import _layout, _tape
+from . import _jax_compat
 
 __all__ = ["raise_if"]
 
@@ -67,31 +67,13 @@ def _is_traced(*xs: Any) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(xs))
 
 
-def _manual_axes() -> tuple[str, ...]:
-    """The manual mesh axes here (inside ``shard_map``) with more than one device.
-
-    In mesh order. Axes of one device need no reduction (and get none: a
-    one-device step has no collective).
-    """
-    get = getattr(jax.sharding, "get_abstract_mesh", None)
-    mesh = get() if get is not None else None
-    if mesh is None or getattr(mesh, "empty", True):
-        return ()
-    types = getattr(mesh, "axis_types", None) or ()
-    sizes = dict(mesh.shape)
-    return tuple(
-        name
-        for name, kind in zip(mesh.axis_names, types, strict=False)
-        if str(kind).rsplit(".", 1)[-1] == "Manual" and sizes.get(name, 1) > 1
-    )
-
-
 def _global(x: jax.Array, how: str, axes: tuple[str, ...]) -> jax.Array:
     """``x`` reduced over the manual ``axes`` (made varying first if needed)."""
-    missing = tuple(a for a in axes if a not in _tape._vma(x))
-    if missing:
+    have = _jax_compat.varying_axes(x) or frozenset()
+    missing = tuple(a for a in axes if a not in have)
+    if missing and _jax_compat.AVAILABLE["pcast_varying"]:
         try:
-            x = _tape._pvary(x, missing)
+            x = _jax_compat.pcast_varying(x, missing)
         except (ValueError, TypeError):  # pragma: no cover - no varying types
             pass
     return _REDUCE[how](x, axes)
@@ -124,7 +106,7 @@ def _fire(error: Callable[..., Exception], pred: Any, payload: Sequence[Any]) ->
 
 def _mesh_of(arrays: Sequence[Any]) -> Any | None:
     for x in arrays:
-        mesh = _layout._abstract_mesh(x)
+        mesh = _jax_compat.abstract_mesh(x)
         if mesh is not None and mesh.size > 1:
             return mesh
     return None
@@ -188,7 +170,7 @@ def raise_if(
         )
     flag = jnp.any(jnp.asarray(pred))
     payload = tuple(jnp.asarray(v) for v in payload)
-    axes = _manual_axes()
+    axes = _jax_compat.manual_axes()
     if axes:  # inside shard_map: every device decides on the global values
         flag = _global(flag.astype(jnp.int32), "sum", axes) > 0
         hows = tuple(reduce) or ("max",) * len(payload)
@@ -200,11 +182,8 @@ def raise_if(
             token = _fire(error, flag, payload)
         else:  # plain jit over a mesh: run the callback on every device
             specs = (P(),) * (1 + len(payload))
-            fire = jax.shard_map(
-                lambda f, *p: _fire(error, f, p),
-                mesh=mesh,
-                in_specs=specs,
-                out_specs=P(),
+            fire = _jax_compat.shard_map(
+                lambda f, *p: _fire(error, f, p), mesh, specs, P()
             )
             token = fire(flag, *payload)
     return guard ^ token.astype(guard.dtype)

@@ -16,36 +16,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-
-def _abstract_mesh(x: Any) -> Any | None:
-    """The mesh ``x`` is laid out on inside ``jit`` (``None`` if unknown/none).
-
-    ``jax.typeof(x).sharding.mesh`` (JAX >= 0.6) is the abstract mesh of the
-    inputs' shardings, also for ``Auto`` axes whose specs it does not report.
-    """
-    typeof = getattr(jax, "typeof", None)
-    if typeof is None:  # pragma: no cover - JAX < 0.6: hook inactive
-        return None
-    try:
-        mesh = typeof(x).sharding.mesh
-    except (AttributeError, TypeError):  # pragma: no cover - not an array
-        return None
-    if mesh is None or getattr(mesh, "empty", True):
-        return None
-    return mesh
-
-
-def _axis_kinds(mesh: Any) -> set[str]:
-    types = getattr(mesh, "axis_types", None) or ()
-    return {str(t).rsplit(".", 1)[-1] for t in types}
-
-
-def all_gather_invariant(x: Any, axes: tuple[str, ...]) -> Any:
-    """Tiled all-gather whose result ``shard_map`` knows is the same everywhere."""
-    try:
-        return jax.lax.all_gather(x, axes, axis=0, tiled=True, to="invarying")
-    except TypeError:  # pragma: no cover - JAX without `to=` infers it itself
-        return jax.lax.all_gather(x, axes, axis=0, tiled=True)
+from . import _jax_compat
 
 
 def replicate_rows(target: Any, tree: Any) -> Any:
@@ -72,10 +43,14 @@ def replicate_rows(target: Any, tree: Any) -> Any:
       >>> jaxslices.sharding.replicate_rows(jnp.zeros((3, 1)), s) is s
       True
     """
-    mesh = _abstract_mesh(target)
-    if mesh is None or mesh.size == 1 or _axis_kinds(mesh) & {"Manual", "Explicit"}:
+    mesh = _jax_compat.abstract_mesh(target)
+    if mesh is None or mesh.size == 1:
+        return tree
+    kinds = _jax_compat.axis_kinds(mesh)
+    if kinds is None or kinds & {"Manual", "Explicit"}:
         # Inside shard_map every array is local already; meshes with Explicit
-        # axes are not supported by jaxslices' lookups yet (docs/scale_out.md).
+        # axes are not supported by jaxslices' lookups yet (docs/scale_out.md);
+        # unknown axis kinds: the layout is left to XLA (correct, slower).
         return tree
     replicated = NamedSharding(mesh, P())
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), tree)

@@ -34,18 +34,10 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from . import _jax_private, _layout
+from . import _jax_compat
 from .slices import IndexedSlices
 
-try:  # public since JAX 0.4.36 (stackless tracing)
-    from jax.extend.core import get_opaque_trace_state as _trace_state
-except ImportError:  # pragma: no cover - older or newer layouts
-    from jax._src.core import get_opaque_trace_state as _trace_state
-
-
-def trace_state() -> Any:
-    """An opaque token for the current trace, comparable with ``==``."""
-    return _trace_state(convention="jaxslices")
+trace_state = _jax_compat.trace_state
 
 
 @dataclasses.dataclass
@@ -66,9 +58,11 @@ class Tape:
     mode: str  # "discover" or "tap"
     candidates: list[Any]  # leaf objects (tracers or arrays), compared with `is`
     state: Any = None  # opaque token of the loss's top-level trace
-    trace: Any = None  # the trace itself (private JAX; see _jax_private)
+    trace: Any = None  # the trace itself (private JAX; see _jax_compat)
     records: list[LookupRecord] = dataclasses.field(default_factory=list)
-    nested: set[int] = dataclasses.field(default_factory=set)
+    # Leaves that take JAX's dense gradient: looked up in a nested scope, or
+    # somewhere JAX's types could not be read (see ``_varying_axes``).
+    dense: set[int] = dataclasses.field(default_factory=set)
     # tap mode
     sparse_leaves: frozenset[int] = frozenset()
     taps: list[Any] = dataclasses.field(default_factory=list)
@@ -119,14 +113,14 @@ class Tape:
           the whole batch of ids one level up, where this is repeated.
 
         Anything else (``scan``, ``cond``, inner ``jit``, ``checkpoint``, an
-        inner ``jax.grad``, or JAX internals unknown to
-        :mod:`jaxslices._jax_private`) falls back to dense.
+        inner ``jax.grad``, or JAX internals unavailable in
+        :mod:`jaxslices._jax_compat`) falls back to dense.
         """
-        route = _jax_private.vmap_route(self.trace, ids)
+        route = _jax_compat.vmap_route(self.trace, ids)
         if route is None:
             if self.mode == "tap":  # the earlier passes saw this lookup on top
                 raise RuntimeError(_NONDETERMINISTIC)
-            self.nested.update(ks)
+            self.dense.update(ks)
             return None
         if not route:
             return self._top_level(ks, table, ids, gather)
@@ -148,13 +142,17 @@ class Tape:
     def _top_level(self, ks, table, ids, gather):
         if self.mode == "discover":
             # Discovery traces every candidate as its own tracer: one leaf.
+            axes = _varying_axes(ids, table)
+            if axes is None:  # unknown to this JAX: its dense gradient
+                self.dense.update(ks)
+                return None
             self.records.append(
                 LookupRecord(
                     ks[0],
                     tuple(ids.shape),
                     tuple(table.shape[1:]),
                     table.dtype,
-                    _varying_axes(ids, table),
+                    axes,
                 )
             )
             return None
@@ -203,7 +201,7 @@ _STATE = _State()
 @contextmanager
 def _active(tape: Tape) -> Iterator[Tape]:
     tape.state = trace_state()
-    tape.trace = _jax_private.current_trace()
+    tape.trace = _jax_compat.current_trace()
     stack = _STATE.stack
     stack.append(tape)
     try:
@@ -212,22 +210,8 @@ def _active(tape: Tape) -> Iterator[Tape]:
         stack.pop()
 
 
-def _vma(x: Any) -> frozenset:
-    typeof = getattr(jax, "typeof", None)
-    if typeof is None:  # JAX < 0.6: no varying-axes types
-        return frozenset()
-    try:
-        aval = typeof(x)
-    except TypeError:
-        return frozenset()
-    mat = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10
-    if mat is not None:
-        return frozenset(getattr(mat, "varying", ()) or ())
-    return frozenset(getattr(aval, "vma", ()) or ())  # JAX 0.7 - 0.9
-
-
-def _varying_axes(ids: Any, table: Any) -> tuple[str, ...]:
-    """Mesh axes over which ``ids`` vary and ``table`` does not.
+def _varying_axes(ids: Any, table: Any) -> tuple[str, ...] | None:
+    """Mesh axes over which ``ids`` vary and ``table`` does not (``None``: unknown).
 
     Inside ``shard_map`` with ``check_vma=True`` (the default), JAX sums the
     cotangent of an invariant value over the axes its uses vary on. A tap made
@@ -236,19 +220,25 @@ def _varying_axes(ids: Any, table: Any) -> tuple[str, ...]:
     keeps its own rows), and ``pack`` all-gathers the slices over them, which
     is JAX's own semantics for the gradient of a replicated parameter (the sum
     over devices), kept sparse.
+
+    ``None`` where this cannot be done right: the varying-axes types are
+    unknown to :mod:`jaxslices._jax_compat` (answering "no axes" would be
+    wrong under ``check_vma``), or the tap cannot be made varying. The table
+    then takes JAX's dense gradient.
     """
-    return tuple(sorted(_vma(ids) - _vma(table)))
-
-
-def _pvary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    if hasattr(jax.lax, "pcast"):  # JAX >= 0.8
-        return jax.lax.pcast(x, axes, to="varying")
-    return jax.lax.pvary(x, axes)
+    ids_axes = _jax_compat.varying_axes(ids)
+    table_axes = _jax_compat.varying_axes(table)
+    if ids_axes is None or table_axes is None:
+        return None
+    axes = tuple(sorted(ids_axes - table_axes))
+    if axes and not _jax_compat.AVAILABLE["pcast_varying"]:
+        return None
+    return axes
 
 
 def _zeros_tap(rec: LookupRecord) -> jax.Array:
     tap = jnp.zeros(rec.ids_shape + rec.row_shape, rec.dtype)
-    return _pvary(tap, rec.axes) if rec.axes else tap
+    return _jax_compat.pcast_varying(tap, rec.axes) if rec.axes else tap
 
 
 def lookup(
@@ -311,7 +301,7 @@ def discover(call: Call, leaves: Sequence[Any], others: Sequence[Any] = ()) -> P
     if candidates:
         jax.eval_shape(fn, *[leaves[k] for k in candidates])
     looked_up = {r.leaf for r in tape.records}
-    sparse = tuple(sorted((looked_up - tape.nested) & set(candidates)))
+    sparse = tuple(sorted((looked_up - tape.dense) & set(candidates)))
     return Plan(sparse, tuple(r for r in tape.records if r.leaf in sparse))
 
 
@@ -397,8 +387,8 @@ def pack(plan: Plan, tapped: Tapped, leaves: Sequence[Any]) -> dict[int, Indexed
         )
         axes = tuple(sorted({a for j in mine for a in plan.records[j].axes}))
         if axes:  # shard_map(check_vma=True): the sum over devices, as slices
-            values = _layout.all_gather_invariant(s.values, axes)
-            indices = _layout.all_gather_invariant(s.indices, axes)
+            values = _jax_compat.all_gather_invariant(s.values, axes)
+            indices = _jax_compat.all_gather_invariant(s.indices, axes)
             s = IndexedSlices(values, indices, s.dense_shape)
         out[k] = s
     return out

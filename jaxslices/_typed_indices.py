@@ -26,23 +26,25 @@ precision casts call) raise ``NotImplementedError: Cannot call abstract method``
 which does not name ``IndexedSlices``. :func:`_install_messages` replaces those
 methods on JAX's key-array class by ones that raise a ``TypeError`` naming
 ``IndexedSlices`` and the fix *for jaxslices indices only* and call JAX's own
-method for every other key. That class is private to JAX, so this is the one
-place jaxslices touches it: found as ``type(`` of a wrapped array ``)``, applied
-only for JAX versions known to have that layout (0.5.3 up to 0.11), and skipped
-(JAX's message stays) otherwise. Under ``jit`` no patch is needed: traced key
-arrays raise ``TypeError`` with the tag.
+method for every other key. That class is private to JAX: it is found as
+``type(`` of a wrapped array ``)`` and patched through
+:mod:`jaxslices._jax_compat` (entry ``key_array_class``), only for JAX versions
+known to have that layout (0.5.3 up to the 0.12 line; checked in CI on 0.10.2
+and 0.12.0.1), and skipped (JAX's message stays) otherwise. Under ``jit`` no
+patch is needed: traced key arrays raise ``TypeError`` with the tag.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import define_prng_impl
+
+from . import _jax_compat
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -98,7 +100,7 @@ DTYPE64 = jax.eval_shape(
     lambda: jax.random.wrap_key_data(jnp.zeros((0, 2), jnp.uint32), impl=IMPL64)
 ).dtype
 #: The implementation names a checkpoint stores for typed indices (see
-#: :func:`_register_names`).
+#: ``_jax_compat.register_key_impl_names``).
 NAMES = {DTYPE32: "jaxslices_indices_int32", DTYPE64: "jaxslices_indices_int64"}
 
 
@@ -184,72 +186,30 @@ def unwrap(typed: Any) -> Any:
 
 # ------------------------------------- checkpoints and array constructors
 #
-# Two more touch points on JAX internals, each checked structurally when this
-# module is imported (no backend is started) and each with a fallback that is
-# an error, never a wrong number. They belong with the other private names in
-# the compatibility module (``_jax_compat``) once it lands; until then they
-# live here, where the typed indices are defined.
+# Two more touch points on JAX internals, through :mod:`jaxslices._jax_compat`
+# (its inventory gives the names, the versions checked and the fallbacks):
 #
 # * ``key_impl_names``: checkpointers store a key array as its ``uint32`` words
 #   plus ``str(jax.random.key_impl(x))`` and rebuild it with
 #   ``jax.random.wrap_key_data(words, impl=that_string)`` (Orbax does exactly
 #   this). JAX resolves such a string only for implementations in its registry
-#   of named PRNGs (``jax._src.random.prng.prngs``); ``define_prng_impl`` does
-#   not add to it, and restoring failed with "unrecognized PRNG
-#   implementation". :func:`_register_names` adds the two typed-indices
-#   implementations under :data:`NAMES`. Fallback (registry not found): Orbax
-#   saves but cannot restore; ``tests/test_checkpoint.py`` fails on such a JAX.
+#   of named PRNGs, which ``define_prng_impl`` does not add to: restoring
+#   failed with "unrecognized PRNG implementation". The two typed-indices
+#   implementations are registered under :data:`NAMES` at import.
 # * ``key_full_rule``: ``jnp.zeros_like``, ``ones_like``, ``full_like``,
 #   ``lax.full`` (and ``empty_like`` before JAX 0.11) of a key array call the
-#   key dtype's rule ``dtype._rules.full(shape, fill_value, dtype)``, which
-#   broadcasts the number into the key's words: on typed indices every id
-#   became 0, 1 or the fill value, silently (``jax.tree.map(jnp.ones_like,
-#   grads)``, ``optax.tree.full_like``). :func:`_install_full_rule` wraps that
-#   rule, at trace time (so also under ``jit``), for typed indices only: a
-#   non-zero or traced numeric fill raises a ``TypeError`` naming
-#   ``IndexedSlices`` and the fix; a zero fill (``zeros_like`` mapped over a
-#   whole gradient tree: zero values) gives id -1, invalid, so the result is a
-#   zero gradient that touches no row (what ``optax.apply_if_finite`` returns
-#   on a rejected step); a fill with typed indices (broadcasting an existing
-#   id) and empty results are JAX's. Every other key dtype goes to JAX's rule
-#   untouched. Fallback (rule not found): the wrong ids stay possible; the
-#   tests fail on such a JAX. (``jnp.empty_like`` on JAX >= 0.11 is
-#   uninitialized memory, ids and values alike, as JAX documents.)
-
-
-def _impl_of(dtype: Any) -> Any:
-    return getattr(dtype, "_impl", None)
-
-
-def _register_names() -> bool:
-    """Put the typed-indices implementations in JAX's registry of named PRNGs.
-
-    Entry ``key_impl_names`` (see above). Returns whether
-    ``jax.random.key_impl`` of typed indices now gives a name that
-    ``jax.random.wrap_key_data(..., impl=name)`` resolves to the same dtype.
-    """
-    import sys
-
-    try:
-        for dtype, name in NAMES.items():
-            impl = _impl_of(dtype)
-            registry = getattr(sys.modules.get(type(impl).__module__), "prngs", None)
-            if impl is None or impl.name != name or not isinstance(registry, dict):
-                return False
-            known = registry.get(name)
-            if known is not None and getattr(known, "tag", None) != TAG:
-                return False  # the name is taken by something else
-            registry[name] = impl  # also replaces ours after a module reload
-            probe = jax.eval_shape(
-                lambda n=name, w=impl.key_shape[0]: jax.random.wrap_key_data(
-                    jnp.zeros((0, w), jnp.uint32), impl=n
-                )
-            )
-            if probe.dtype != dtype:
-                return False
-        return True
-    except Exception:  # noqa: BLE001 - never break `import jaxslices`
-        return False
+#   key dtype's fill rule, which broadcasts the number into the key's words: on
+#   typed indices every id became 0, 1 or the fill value, silently
+#   (``jax.tree.map(jnp.ones_like, grads)``, ``optax.tree.full_like``). The
+#   rule is wrapped (:func:`_full_rule`) at trace time (so also under ``jit``),
+#   for typed indices only: a non-zero or traced numeric fill raises a
+#   ``TypeError`` naming ``IndexedSlices`` and the fix; a zero fill
+#   (``zeros_like`` mapped over a whole gradient tree: zero values) gives id
+#   -1, invalid, so the result is a zero gradient that touches no row (what
+#   ``optax.apply_if_finite`` returns on a rejected step); a fill with typed
+#   indices (broadcasting an existing id) and empty results are JAX's. Every
+#   other key dtype goes to JAX's rule untouched. (``jnp.empty_like`` on JAX
+#   >= 0.11 is uninitialized memory, ids and values alike, as JAX documents.)
 
 
 def _fill_error(fill_value: Any) -> TypeError:
@@ -276,62 +236,38 @@ def _is_zero(fill_value: Any) -> bool:
         return False
 
 
-def _install_full_rule() -> bool:
-    """Entry ``key_full_rule`` (see above): numeric fills of typed indices raise."""
-    try:
-        rules = DTYPE32._rules
-        if DTYPE64._rules is not rules:
-            return False
-        original = inspect.getattr_static(rules, "full", None)
-        if getattr(original, "_jaxslices", False):
-            return True
-        if not isinstance(original, staticmethod):
-            return False
-        params = list(inspect.signature(original.__func__).parameters)
-        if params != ["shape", "fill_value", "dtype"]:
-            return False
-        jax_full = original.__func__
+def _full_rule(jax_full: Any) -> Any:
+    """JAX's key fill rule, refusing numeric fills of typed indices (see above)."""
 
-        def full(shape, fill_value, dtype):
-            ours = dtype == DTYPE32 or dtype == DTYPE64
-            if ours and not is_typed(fill_value) and int(np.prod(shape)) > 0:
-                if not _is_zero(fill_value):
-                    raise _fill_error(fill_value)
-                # A zero gradient (zeros_like, empty_like, optax's rejected
-                # step in apply_if_finite) touches no row: id -1, all words set.
-                fill_value = np.uint32(0xFFFFFFFF)
-            return jax_full(shape, fill_value, dtype)
+    def full(shape, fill_value, dtype):
+        ours = dtype == DTYPE32 or dtype == DTYPE64
+        if (
+            ours
+            and _jax_compat.AVAILABLE["key_full_rule"]
+            and not is_typed(fill_value)
+            and int(np.prod(shape)) > 0
+        ):
+            if not _is_zero(fill_value):
+                raise _fill_error(fill_value)
+            # A zero gradient touches no row: id -1, every word's bits set.
+            fill_value = np.uint32(0xFFFFFFFF)
+        return jax_full(shape, fill_value, dtype)
 
-        full._jaxslices = True  # type: ignore[attr-defined]
-        rules.full = staticmethod(full)
-        return True
-    except Exception:  # noqa: BLE001 - never break `import jaxslices`
-        return False
+    return full
 
 
 #: Whether each entry above could be applied on this JAX (tests assert both).
-NAMES_REGISTERED = _register_names()
-FULL_RULE_INSTALLED = _install_full_rule()
+NAMES_REGISTERED = _jax_compat.register_key_impl_names(NAMES, TAG)
+FULL_RULE_INSTALLED = _jax_compat.wrap_key_full_rule((DTYPE32, DTYPE64), _full_rule)
 
 
 # ------------------------------------------------ eager error messages
 
 
-_KNOWN_JAX = ((0, 5, 3), (0, 12, 0))  # versions whose key-array class was checked
-
-
-def _jax_version() -> tuple[int, ...]:
-    parts = []
-    for p in jax.__version__.split(".")[:3]:
-        digits = "".join(c for c in p if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
 def _raising(name: str, original: Any) -> Any:
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        if is_typed(self):
+        if is_typed(self) and _jax_compat.AVAILABLE["key_array_class"]:
             raise TypeError(
                 f"`.{name}` of the indices of a jaxslices IndexedSlices "
                 f"(dtype key<{TAG}>): {FIX}"
@@ -358,33 +294,12 @@ def _install_messages(cls: type) -> bool:
     """Make eager abstract methods on our key arrays name IndexedSlices.
 
     ``cls`` is the class of a concrete typed-indices array. Returns whether the
-    messages were installed (``False`` on an unknown JAX version or class layout:
-    JAX's ``NotImplementedError`` then stays).
+    messages were installed (``False`` on an untested JAX version or an
+    unknown class layout: JAX's ``NotImplementedError`` then stays). The
+    class is private to JAX: :func:`jaxslices._jax_compat.patch_key_array_class`
+    does the patching and holds the version gate.
     """
-    lo, hi = _KNOWN_JAX
-    if not lo <= _jax_version() < hi:
-        return False
-    try:
-        if getattr(cls, "_jaxslices_messages", False):
-            return True
-        names = ["__array__"]
-        for name in dir(cls):
-            attr = inspect.getattr_static(cls, name)
-            fn = attr.fget if isinstance(attr, property) else attr
-            if getattr(fn, "__isabstractmethod__", False):
-                names.append(name)
-        for name in names:
-            attr = inspect.getattr_static(cls, name, None)
-            if attr is None:
-                continue
-            if isinstance(attr, property):
-                setattr(cls, name, property(_raising(name, attr.fget)))
-            elif callable(attr):
-                setattr(cls, name, _raising(name, attr))
-        cls._jaxslices_messages = True
-        return True
-    except Exception:  # noqa: BLE001 - never break `import jaxslices` over a message
-        return False
+    return _jax_compat.patch_key_array_class(cls, _raising)
 
 
 #: ``None`` until the first concrete typed array is made, then whether the

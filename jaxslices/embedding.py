@@ -88,27 +88,15 @@ def _lookup_fwd(table, ids):
 
 def _lookup_bwd(res, ct):
     table, ids = res
-    grad = jnp.zeros(table.shape, ct.dtype)
-    grad = grad.at[ids].add(ct, mode="drop")
-    return grad.astype(table.dtype), None
+    # The gather's own transpose (a scatter-add into zeros, padding dropped),
+    # taken by JAX: inside shard_map(check_vma=True) with ids varying over
+    # axes the table does not, JAX also sums it over those axes, as the
+    # cotangent of the (invariant) table must be.
+    (grad,) = jax.linear_transpose(lambda t: _gather(t, ids), table)(ct)
+    return grad, None
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
-
-
-def _vary_like(table: jax.Array, ids: jax.Array) -> jax.Array:
-    """``table`` typed as varying over the mesh axes ``ids`` vary over.
-
-    Inside ``shard_map`` with ``check_vma=True`` (the default), a replicated
-    table looked up with per-device ids: ``table[ids]`` makes JAX insert this
-    cast itself, and its transpose sums the table's gradient over the devices.
-    A ``custom_vjp`` must return a cotangent of its primal's type, so the cast
-    is made explicit before :func:`_lookup`: plain ``jax.grad`` (and the
-    framework layers under ``nnx.grad``, ``eqx.filter_grad``) then give what
-    they give for ``table[ids]``. Elsewhere a no-op.
-    """
-    axes = _tape._varying_axes(ids, table)
-    return _tape._pvary(table, axes) if axes else table
 
 
 def _bad_ids_message(where: str, num_rows: int, n_bad: int, lo: int, hi: int) -> str:
@@ -292,7 +280,7 @@ def _lookup_rows(table: Any, safe_ids: jax.Array, dtype: Any, handler: Any) -> A
     else:
         out = _tape.lookup(table, safe_ids, _gather)
         if out is None:
-            out = _lookup(_vary_like(table, safe_ids), safe_ids)
+            out = _lookup(table, safe_ids)
     if dtype is not None:
         out = out.astype(dtype)
     return out

@@ -43,8 +43,9 @@ limit and the default backend: reading a marked table other than through
 around a lookup, forward-mode AD (``jax.jvp``), ``vmap`` over a batch of
 tables. Shardings are not modelled on the types (no ``shard_map``/explicit
 sharding support; JAX raises its own error). This module needs JAX >= 0.10.2
-and < 0.12 (see ``jaxslices/_hijax.py``); importing it on another JAX raises
-``UnsupportedJaxError`` (an ``ImportError``) naming the default backend.
+and < 0.13 (tested on 0.10.2 and 0.12.0.1; see ``jaxslices/_hijax.py``);
+importing it on another JAX raises ``UnsupportedJaxError`` (an
+``ImportError``) naming the default backend.
 """
 
 from __future__ import annotations
@@ -441,7 +442,7 @@ def is_row_sparse(x: Any) -> bool:
 # --------------------------------------------------------------------------
 
 
-class _Mark(_hijax.VJPHiPrimitive):
+class _Mark(_hijax.HiPrimitive):
     """array -> SparseTable. Its VJP densifies (marking inside a loss is dense)."""
 
     def __init__(self, table_aval: Any, capacity: int):
@@ -469,7 +470,7 @@ class _Mark(_hijax.VJPHiPrimitive):
         return self(*args), None
 
 
-class _Lookup(_hijax.VJPHiPrimitive):
+class _Lookup(_hijax.HiPrimitive):
     """(SparseTable, ids) -> rows; its VJP accumulates a RowSparse."""
 
     def __init__(self, table_ty: SparseTableType, ids_aval: Any):
@@ -586,7 +587,7 @@ def _vectorize(f: Any, batch_ndim: int) -> Any:
     return f
 
 
-class _Make(_hijax.VJPHiPrimitive):
+class _Make(_hijax.HiPrimitive):
     """(values, indices, count) -> RowSparse."""
 
     def __init__(self, in_avals: tuple, out_ty: RowSparseType):
@@ -619,7 +620,7 @@ def _make(values, indices, count, dense_shape, capacity) -> Any:
     return _Make(avals, ty)(values, indices, count)
 
 
-class _Unpack(_hijax.VJPHiPrimitive):
+class _Unpack(_hijax.HiPrimitive):
     """RowSparse -> (values, indices, count)."""
 
     def __init__(self, ty: RowSparseType):
@@ -665,7 +666,7 @@ def _combine(dense_shape, cap, xv, xi, xc, yv, yi, yc):
     return values, jnp.where(mine, xi, yi), xc + yc
 
 
-class _Add(_hijax.VJPHiPrimitive):
+class _Add(_hijax.HiPrimitive):
     """RowSparse + RowSparse: the slots of both (the count adds up)."""
 
     def __init__(self, ty: RowSparseType, y_slots: int | None = None):

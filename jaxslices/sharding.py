@@ -46,8 +46,10 @@ from jax.sharding import PartitionSpec as P
 
 from . import _errors, _layout, _tape
 from . import updates as updates_
-from ._layout import _abstract_mesh, replicate_rows
-from ._layout import all_gather_invariant as _all_gather_invariant
+from ._jax_compat import abstract_mesh as _abstract_mesh
+from ._jax_compat import all_gather_invariant as _all_gather_invariant
+from ._jax_compat import shard_map as _shard_map
+from ._layout import replicate_rows
 from .embedding import _safe_ids, embedding_lookup
 from .slices import IndexedSlices, coalesce, is_indexed_slices
 
@@ -62,20 +64,6 @@ __all__ = [
 
 Routing = Literal["masked", "all_to_all"]
 _ROUTINGS = ("masked", "all_to_all")
-
-
-# --------------------------------------------------------- version tolerance
-
-
-def _shard_map(f, mesh, in_specs, out_specs):
-    """``jax.shard_map`` (JAX >= 0.7), else ``jax.experimental.shard_map``."""
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    from jax.experimental.shard_map import shard_map  # pragma: no cover
-
-    return shard_map(
-        f, mesh, in_specs=in_specs, out_specs=out_specs
-    )  # pragma: no cover
 
 
 # ------------------------------------------------------------ data parallel

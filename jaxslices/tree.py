@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _layout, _tape, slices
+from . import _jax_compat, slices
 from .slices import IndexedSlices, _replace_values, check_slices
 
 __all__ = [
@@ -215,7 +215,7 @@ def _typed_axis(axis: Any) -> bool:
     ``axis_index`` varies over the axis; False with ``check_vma=False``, under
     ``pmap`` and ``vmap``, where nothing records what varies.
     """
-    return axis in _tape._vma(jax.lax.axis_index(axis))
+    return axis in (_jax_compat.varying_axes(jax.lax.axis_index(axis)) or ())
 
 
 def _sum_slices(
@@ -232,16 +232,19 @@ def _sum_slices(
     ``jax.lax.psum`` of such a dense value is.
     """
     check_slices(s, where)
-    varying = _tape._vma(s.values) | _tape._vma(s.indices)
+    known = [_jax_compat.varying_axes(x) for x in (s.values, s._indices)]
+    # Unknown (None): treated as varying over every axis, i.e. gathered.
+    varying = None if None in known else known[0] | known[1]
     gather, repeat = [], []
     for axis in _axes(axis_name):
         typed = _typed_axis(axis)
-        (repeat if typed and axis not in varying else gather).append((axis, typed))
+        same = typed and varying is not None and axis not in varying
+        (repeat if same else gather).append((axis, typed))
     values, indices = s.values, s.indices
     if gather:
         names = tuple(a for a, _ in gather)
         if all(typed for _, typed in gather):  # the result is the same everywhere
-            values, indices = _layout.all_gather_invariant((values, indices), names)
+            values, indices = _jax_compat.all_gather_invariant((values, indices), names)
         else:
             values = jax.lax.all_gather(values, names, axis=0, tiled=True)
             indices = jax.lax.all_gather(indices, names, axis=0, tiled=True)

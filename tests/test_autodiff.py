@@ -295,10 +295,10 @@ def test_lookup_inside_vmap_stays_sparse(in_axes, use_jit):
 def test_lookup_inside_nested_vmap_or_vmap_in_scan(private_jax, monkeypatch):
     """Nested vmaps stay sparse (tests/test_autodiff_vmap.py has more); vmap
     inside scan is dense; without the private JAX names all are dense."""
-    from jaxslices import _jax_private
+    from jaxslices import _jax_compat
 
     if not private_jax:
-        monkeypatch.setattr(_jax_private, "AVAILABLE", False)
+        monkeypatch.setitem(_jax_compat.AVAILABLE, "vmap_internals", False)
     rng = np.random.default_rng(14)
     params, ids = _params(), _ids(rng)
     ids3 = jnp.stack([ids, ids[::-1]])

@@ -86,3 +86,29 @@ def test_the_checker_finds_hand_written_numbers():
     # The regex above must catch what it is for, and leave shapes alone.
     text = "SGD is 79x faster, 0.15-0.38 ms/step, 2.1 MB; a 1024 x 16 batch, 64-wide"
     assert _MEASURED.findall(text) == ["79x", "0.38 ms", "2.1 MB"]
+
+
+def _bash_blocks(text: str) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    readme = (ROOT / "README.md").read_text()
+    commands = [
+        line.strip()
+        for block in _bash_blocks(readme)
+        for line in block.splitlines()
+        if "pytest" in line
+    ]
+    assert commands, "the README gives no test command"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert commands[0] in ci, (commands[0], ".ci/run does not run it verbatim")
+    # Two legs, oldest and newest supported JAX, each on its Python.
+    assert "run_leg oldest 3.11" in ci and "run_leg newest 3.12" in ci
+
+
+def test_readme_states_the_tested_jax_range():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    bound = re.search(r'"jax(>=[0-9.]+,<[0-9.]+)"', pyproject)
+    assert bound, "pyproject must bound jax on both sides (what CI tests)"
+    assert f"`jax{bound.group(1)}`" in (ROOT / "README.md").read_text()

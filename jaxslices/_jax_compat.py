@@ -1,0 +1,656 @@
+"""Internal: every private or version-dependent JAX name jaxslices uses.
+
+jaxslices supports JAX 0.10.2 (the oldest, tested on Python 3.11) up to the
+0.12 line (the newest, 0.12.0.1 tested on Python 3.12); CI runs the whole
+suite on both. Everything else in the default path (the tape backend of
+:func:`jaxslices.value_and_grad`, the typed indices, the sharding helpers) uses
+public JAX only. The names that are private to JAX (``jax._src``, attributes of
+JAX's internal objects) or that moved between releases are reached through
+this module alone, one *entry* each. An entry is
+
+* resolved once, at import, without starting a JAX backend (so that
+  ``jax.distributed.initialize`` can still run after ``import jaxslices``);
+* switched by its flag in :data:`AVAILABLE` (``False`` where the names are
+  missing), which every function below reads at call time. That flag is the
+  one switch tests use to take an entry away
+  (``monkeypatch.setitem(_jax_compat.AVAILABLE, "vmap_internals", False)``);
+* served by functions whose fallback is correct, if slower. A question an
+  entry cannot answer is never answered by a guess: an unknown varying-axes
+  type or mesh layout sends the table to JAX's own dense gradient, or leaves
+  the layout to XLA, never "no axes".
+
+The one version parse of the package is :data:`JAX_VERSION`
+(:func:`parse_version`); the version gates below and the opt-in native backend's
+gate (``jaxslices/_hijax.py``, which keeps its experimental hijax names there,
+as the separate opt-in unit) read it. On a JAX newer than the newest tested
+line, the default path keeps working on the entries' structural checks; the
+two version-gated entries take their conservative side (the key-array
+messages are not installed, ``jaxslices.native`` refuses to import with an
+error naming the default backend).
+
+Public JAX names the package uses directly, because they are stable over the
+supported range, are not entries: ``jax.typeof`` (JAX >= 0.6),
+``jax.extend.random.define_prng_impl``, ``jax.random.wrap_key_data``,
+``jax.custom_batching.custom_vmap``, ``jax.core.Tracer``.
+
+The inventory below (:data:`ENTRIES`, rendered by :func:`inventory_table`) is
+copied into docs/design.md ("JAX compatibility"); a test checks they agree.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "AVAILABLE",
+    "ENTRIES",
+    "JAX_VERSION",
+    "KEY_ARRAY_CLASS_VERSIONS",
+    "NEWEST_TESTED",
+    "OLDEST_TESTED",
+    "abstract_mesh",
+    "all_gather_invariant",
+    "axis_kinds",
+    "current_trace",
+    "inventory_table",
+    "manual_axes",
+    "parse_version",
+    "patch_key_array_class",
+    "pcast_varying",
+    "register_key_impl_names",
+    "shard_map",
+    "trace_state",
+    "varying_axes",
+    "version_in",
+    "vmap_route",
+    "wrap_key_full_rule",
+]
+
+# ------------------------------------------------------------------ versions
+
+OLDEST_TESTED = "0.10.2"  # Python 3.11, CI leg 1
+NEWEST_TESTED = "0.12.0.1"  # Python 3.12, CI leg 2
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """The first three numbers of a version string (missing ones are 0).
+
+    A string that does not start with a number gives ``(0, 0, 0)``, which is
+    outside every version gate (the conservative side).
+
+    Example:
+      >>> parse_version("0.12.0.1"), parse_version("0.13.0.dev20260101")
+      ((0, 12, 0), (0, 13, 0))
+      >>> parse_version("0.13"), parse_version("unknown")
+      ((0, 13, 0), (0, 0, 0))
+    """
+    m = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", text.strip())
+    if m is None:
+        return (0, 0, 0)
+    return (int(m[1]), int(m[2] or 0), int(m[3] or 0))
+
+
+#: The installed JAX, as ``(major, minor, patch)``: the package's one parse.
+JAX_VERSION: tuple[int, int, int] = parse_version(jax.__version__)
+
+
+def version_in(lo: tuple[int, ...], hi: tuple[int, ...]) -> bool:
+    """``lo <= JAX_VERSION < hi`` (read at call time).
+
+    Example:
+      >>> version_in((0, 0, 0), (99, 0, 0))
+      True
+    """
+    return tuple(lo) <= JAX_VERSION < tuple(hi)
+
+
+# ----------------------------------------------------------------- inventory
+
+
+class Entry(NamedTuple):
+    """One row of the inventory."""
+
+    name: str  # the key in AVAILABLE
+    jax_names: str
+    why: str
+    versions: str
+    fallback: str
+    breaks: str
+
+
+ENTRIES: tuple[Entry, ...] = (
+    Entry(
+        "trace_state",
+        "`jax.extend.core.get_opaque_trace_state` (else "
+        "`jax._src.core.get_opaque_trace_state`)",
+        "the tape tells a lookup at the loss's top level from one in a nested "
+        "trace (`scan`, `cond`, inner `jit`, `vmap`)",
+        "0.10.2, 0.12.0.1",
+        "a token that never matches: every lookup asks `vmap_internals` whether "
+        "it is at the top (zero traces in between); without both, dense",
+        "nothing while `vmap_internals` is there; with neither, every table "
+        "gets JAX's dense gradient",
+    ),
+    Entry(
+        "vmap_internals",
+        "`jax._src.core.trace_ctx.trace`, `jax._src.interpreters.batching."
+        "BatchTrace` (`parent_trace`, `tag`), `BatchTracer._trace`",
+        "a lookup below the top level stays sparse when only `jax.vmap`s lie "
+        "in between (Equinox-style per-example code, nested `vmap`s)",
+        "0.10.2, 0.12.0.1",
+        "such lookups take JAX's dense gradient",
+        "sparse gradients under `vmap` (they are dense, correct)",
+    ),
+    Entry(
+        "varying_axes",
+        "`jax.typeof(x).mat.varying` (JAX >= 0.10, also `.manual_axis_type`; "
+        "`.vma` on 0.7 to 0.9)",
+        "inside `shard_map(check_vma=True)` a tap must vary over the mesh axes "
+        "its ids vary over and its table does not, or JAX sums row gradients "
+        "of different ids over devices",
+        "0.10.2, 0.12.0.1",
+        "unknown type layout: that table takes JAX's dense gradient (summed "
+        'over devices by JAX), never "no axes"',
+        "sparse gradients of all tables (dense, correct)",
+    ),
+    Entry(
+        "pcast_varying",
+        '`jax.lax.pcast(x, axes, to="varying")` (JAX >= 0.8; `jax.lax.pvary` before)',
+        "makes a tap varying over those axes",
+        "0.10.2, 0.12.0.1",
+        "tables whose ids vary over mesh axes take JAX's dense gradient",
+        "sparse gradients inside `shard_map` with sharded ids (dense, correct)",
+    ),
+    Entry(
+        "all_gather_invariant",
+        '`jax.lax.all_gather(..., to="invarying")`',
+        "gathers slices over devices into a value `shard_map` knows is the "
+        "same on every device (the tape's cross-device gradient, the "
+        "`all_to_all` update's table replicas)",
+        "0.10.2, 0.12.0.1",
+        "the same gather as a `psum` of each device's block in a zero buffer "
+        "(invariant by construction, exact; an all-reduce of devices x N rows "
+        "instead of an all-gather)",
+        "nothing (slower communication)",
+    ),
+    Entry(
+        "abstract_mesh",
+        "`jax.typeof(x).sharding.mesh` (the abstract mesh under `jit`)",
+        "`replicate_rows` asks for the slices' rows on every device before a "
+        "scatter; `all_to_all` routing finds the mesh when `mesh=` is not given",
+        "0.10.2, 0.12.0.1",
+        "no mesh: no sharding constraint (XLA then all-reduces the V x D table "
+        "of an SGD step: slower, correct); `all_to_all` without `mesh=` asks "
+        "for `mesh=`",
+        "O(batch) communication under data-parallel `jit`",
+    ),
+    Entry(
+        "axis_types",
+        "`mesh.axis_types` (`jax.sharding.AxisType`: Auto, Explicit, Manual)",
+        "no sharding constraint inside `shard_map` (Manual axes) or on Explicit axes",
+        "0.10.2, 0.12.0.1",
+        "unknown kinds: no constraint (as `abstract_mesh`)",
+        "O(batch) communication under data-parallel `jit`",
+    ),
+    Entry(
+        "shard_map",
+        "`jax.shard_map` (JAX >= 0.7)",
+        "`all_to_all` routing (`sharded_lookup`, `sharded_update`)",
+        "0.10.2, 0.12.0.1",
+        "`jax.experimental.shard_map.shard_map` (deprecated since 0.8, its "
+        "warning silenced); with neither, a `RuntimeError` naming "
+        '`routing="masked"`',
+        "with neither: `all_to_all` routing (`masked` works)",
+    ),
+    Entry(
+        "key_array_class",
+        "the class of an eager typed-indices array (JAX's private "
+        "`PRNGKeyArray`): its abstract methods and `__array__`, patched",
+        "eager misuse of `IndexedSlices` indices (`.real`, `.astype`, `.sum`, "
+        "`np.asarray`, ...) raises a `TypeError` naming the jaxslices fix",
+        "0.10.2, 0.12.0.1 (0.5.3 to 0.11 when written); patched for "
+        "0.5.3 <= JAX < 0.13 only",
+        "JAX's own `NotImplementedError`/`TypeError` (still an error, never a "
+        "number; under `jit` JAX's error names the fix anyway)",
+        "the jaxslices wording of eager errors",
+    ),
+    Entry(
+        "key_impl_names",
+        "JAX's registry of named PRNG implementations (`prngs` in the module "
+        "of a key dtype's implementation, `jax._src.random.prng` today) and "
+        "`dtype._impl`",
+        "checkpointers (Orbax) save a key array as its words plus "
+        "`str(jax.random.key_impl(x))` and rebuild it with "
+        "`jax.random.wrap_key_data(words, impl=that_name)`: the typed indices' "
+        "two implementations are added under their names, so that restoring "
+        "an `IndexedSlices` works",
+        "0.10.2, 0.12.0.1",
+        "none that restores: Orbax saves typed indices and cannot restore "
+        "them (`tests/test_checkpoint.py` fails); Flax msgpack and pickle do "
+        "not use it",
+        "Orbax checkpoints of trees holding `IndexedSlices` (`MultiSteps` states)",
+    ),
+    Entry(
+        "key_full_rule",
+        "a key dtype's fill rule `dtype._rules.full(shape, fill_value, dtype)` "
+        "(JAX's `KeyTyRules.full`, a staticmethod), wrapped",
+        "`jnp.ones_like`, `full_like`, `zeros_like` and `lax.full` of typed "
+        "indices broadcast the fill value into the ids: the wrapper raises for "
+        "a non-zero fill and gives id -1 (no row) for a zero fill, typed "
+        "indices only",
+        "0.10.2, 0.12.0.1",
+        "none: such fills give wrong ids silently, as before (the tests fail "
+        "on such a JAX)",
+        "the error for `jax.tree.map(jnp.ones_like, grads)`; `zeros_like` "
+        "touching no row",
+    ),
+    Entry(
+        "manual_axes",
+        "`jax.sharding.get_abstract_mesh()` and its `axis_types` and `shape`",
+        "a run-time check (`_errors.raise_if`) inside `shard_map` makes its "
+        "predicate the same on every device with a `psum` over the manual "
+        "axes, so that every device raises, none waits in a collective",
+        "0.10.2, 0.12.0.1",
+        "no manual axes known: each device decides on its own values (a check "
+        "failing on one device only can leave the others waiting, as before)",
+        "raising on every device inside `shard_map` (a hang instead of an "
+        "error when one device fails)",
+    ),
+)
+
+_HEADER = ("entry", "JAX names", "why", "versions checked", "fallback", "breaks")
+
+
+def inventory_table() -> str:
+    """The inventory as a Markdown table (also in docs/design.md).
+
+    Example:
+      >>> inventory_table().splitlines()[0]
+      '| entry | JAX names | why | versions checked | fallback | breaks |'
+    """
+    lines = ["| " + " | ".join(_HEADER) + " |", "|" + " --- |" * len(_HEADER)]
+    for e in ENTRIES:
+        lines.append(f"| `{e.name}` | " + " | ".join(e[1:]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+__doc__ = (__doc__ or "") + "\nInventory:\n\n" + inventory_table()
+
+# ---------------------------------------------------- resolution, at import
+
+try:  # public in jax.extend since JAX 0.4.36 (stackless tracing)
+    from jax.extend.core import get_opaque_trace_state as _opaque_trace_state
+except ImportError:  # pragma: no cover - other layouts
+    try:
+        from jax._src.core import get_opaque_trace_state as _opaque_trace_state
+    except ImportError:
+        _opaque_trace_state = None
+
+try:
+    from jax._src import core as _core
+    from jax._src.interpreters import batching as _batching
+
+    _BatchTrace = _batching.BatchTrace
+    _BatchTracer = _batching.BatchTracer
+    _VMAP_OK = hasattr(_core, "trace_ctx") and hasattr(_BatchTracer, "_trace")
+except Exception:  # pragma: no cover - a JAX without these internals
+    _VMAP_OK = False
+
+
+def _has_to_argument(f: Any) -> bool:
+    try:
+        return "to" in inspect.signature(f).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+
+
+def _experimental_shard_map() -> Any | None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.shard_map import shard_map as f
+    except (ImportError, AttributeError):  # pragma: no cover - removed
+        return None
+    return f
+
+
+#: Whether each entry's JAX names are there. Read at call time; tests switch
+#: an entry off with ``monkeypatch.setitem(AVAILABLE, name, False)``.
+AVAILABLE: dict[str, bool] = {
+    "trace_state": _opaque_trace_state is not None,
+    "vmap_internals": _VMAP_OK,
+    "varying_axes": hasattr(jax, "typeof"),
+    "pcast_varying": hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary"),
+    "all_gather_invariant": _has_to_argument(jax.lax.all_gather),
+    "abstract_mesh": hasattr(jax, "typeof"),
+    "axis_types": hasattr(jax.sharding, "AxisType"),
+    "shard_map": hasattr(jax, "shard_map"),
+    "key_array_class": True,  # structural checks in patch_key_array_class
+    "key_impl_names": True,  # structural checks in register_key_impl_names
+    "key_full_rule": True,  # structural checks in wrap_key_full_rule
+    "manual_axes": hasattr(jax.sharding, "get_abstract_mesh"),
+}
+
+assert set(AVAILABLE) == {e.name for e in ENTRIES}
+
+# ---------------------------------------------------------------- tracing
+
+
+class _NoTraceState:
+    """Stands for an unknown trace state: equal to nothing, itself included."""
+
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def trace_state() -> Any:
+    """An opaque token for the current trace, comparable with ``==``.
+
+    Entry ``trace_state``. Unavailable: a token equal to nothing, so no
+    lookup is taken to be at the top level on its word alone (the tape then
+    asks :func:`vmap_route`, which needs no token).
+    """
+    if AVAILABLE["trace_state"]:
+        return _opaque_trace_state(convention="jaxslices")
+    return _NoTraceState()
+
+
+def current_trace() -> Any:
+    """The current trace object (entry ``vmap_internals``; else ``None``)."""
+    return _core.trace_ctx.trace if AVAILABLE["vmap_internals"] else None
+
+
+def vmap_route(top: Any, ids: Any) -> bool | None:
+    """How the current trace reaches ``top`` (entry ``vmap_internals``).
+
+    Returns ``None`` unless every trace between the current one and ``top`` is
+    a ``jax.vmap`` (``BatchTrace``), or if the internals are unavailable;
+    otherwise whether ``ids`` is batched by one of those ``vmap``\\ s
+    (``False``: the ids are the same for every batch element, so operations
+    on them run at ``top`` itself; also ``False`` at ``top``, with no trace in
+    between).
+    """
+    if not AVAILABLE["vmap_internals"] or top is None:
+        return None
+    tags = []
+    trace = _core.trace_ctx.trace
+    while trace is not top:
+        if not isinstance(trace, _BatchTrace) or not hasattr(trace, "parent_trace"):
+            return None
+        tags.append(trace.tag)
+        trace = trace.parent_trace
+    return isinstance(ids, _BatchTracer) and any(ids._trace.tag is t for t in tags)
+
+
+# ------------------------------------------------------- manual mesh axes
+
+
+def varying_axes(x: Any) -> frozenset | None:
+    """The mesh axes ``x`` varies over inside ``shard_map`` (``None``: unknown).
+
+    Entry ``varying_axes``. ``frozenset()`` outside ``shard_map`` and with
+    ``check_vma=False``. ``None`` when the entry is unavailable or the type's
+    layout is not one this module knows: callers must then not assume "no
+    axes" (the tape gives that table JAX's dense gradient).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> varying_axes(jnp.zeros(2))
+      frozenset()
+    """
+    if not AVAILABLE["varying_axes"]:
+        return None
+    try:
+        aval = jax.typeof(x)
+    except TypeError:
+        return None
+    # JAX >= 0.10: `mat` (what JAX's own messages tell users to read), also
+    # stored as `manual_axis_type`.
+    mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        varying = getattr(mat, "varying", None)
+        return None if varying is None else frozenset(varying)
+    vma = getattr(aval, "vma", None)  # JAX 0.7 - 0.9
+    return None if vma is None else frozenset(vma)
+
+
+def pcast_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``x`` typed as varying over ``axes`` (entry ``pcast_varying``).
+
+    Only called when :data:`AVAILABLE` says so (the tape checks first).
+    """
+    if not AVAILABLE["pcast_varying"]:
+        raise RuntimeError(  # pragma: no cover - callers check first
+            "jaxslices internal error: pcast_varying used while unavailable."
+        )
+    if hasattr(jax.lax, "pcast"):  # JAX >= 0.8
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)  # pragma: no cover - JAX 0.6 - 0.7
+
+
+def all_gather_invariant(x: Any, axes: tuple[str, ...]) -> Any:
+    """Tiled all-gather (pytree) whose result ``shard_map`` knows is invariant.
+
+    Entry ``all_gather_invariant``. Unavailable: each device writes its block
+    at its position in a zero buffer and the buffers are ``psum``-ed: the same
+    values exactly (one non-zero term per element), invariant by the type of
+    ``psum``, with more communication.
+    """
+    if AVAILABLE["all_gather_invariant"]:
+        return jax.lax.all_gather(x, axes, axis=0, tiled=True, to="invarying")
+    return jax.tree.map(lambda a: _gather_by_psum(a, axes), x)
+
+
+def _gather_by_psum(a: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    size = 1
+    for name in axes:
+        size *= jax.lax.axis_size(name)
+    n = a.shape[0]
+    buf = jnp.zeros((size * n,) + a.shape[1:], a.dtype)
+    start = jax.lax.axis_index(axes) * n
+    return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(buf, a, start, 0), axes)
+
+
+# ------------------------------------------------------------- device mesh
+
+
+def abstract_mesh(x: Any) -> Any | None:
+    """The mesh ``x`` is laid out on inside ``jit`` (``None``: unknown or none).
+
+    Entry ``abstract_mesh``: ``jax.typeof(x).sharding.mesh``, the abstract
+    mesh of the inputs' shardings, also for ``Auto`` axes whose specs it does
+    not report.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> abstract_mesh(jnp.zeros(2)) is None  # not on a mesh
+      True
+    """
+    if not AVAILABLE["abstract_mesh"]:
+        return None
+    try:
+        mesh = jax.typeof(x).sharding.mesh
+    except (AttributeError, TypeError):
+        return None
+    if mesh is None or getattr(mesh, "empty", True):
+        return None
+    return mesh
+
+
+def axis_kinds(mesh: Any) -> frozenset[str] | None:
+    """Names of the mesh's axis types (``"Auto"``, ``"Explicit"``, ``"Manual"``).
+
+    Entry ``axis_types``; ``None`` when unknown (callers then leave the
+    layout to XLA).
+    """
+    if not AVAILABLE["axis_types"]:
+        return None
+    types = getattr(mesh, "axis_types", None)
+    if types is None:
+        return None
+    return frozenset(str(t).rsplit(".", 1)[-1] for t in types)
+
+
+def manual_axes() -> tuple[str, ...]:
+    """The manual axes of more than one device here (inside ``shard_map``).
+
+    Entry ``manual_axes``, in mesh order. ``()`` outside ``shard_map``, and
+    when unavailable or the mesh's layout is unknown.
+
+    Example:
+      >>> manual_axes()
+      ()
+    """
+    if not AVAILABLE["manual_axes"]:
+        return ()
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh is None or getattr(mesh, "empty", True):
+            return ()
+        kinds = getattr(mesh, "axis_types", None) or ()
+        sizes = dict(mesh.shape)
+        return tuple(
+            name
+            for name, kind in zip(mesh.axis_names, kinds, strict=False)
+            if str(kind).rsplit(".", 1)[-1] == "Manual" and sizes.get(name, 1) > 1
+        )
+    except (AttributeError, TypeError):  # pragma: no cover - unknown layout
+        return ()
+
+
+def shard_map(f: Callable, mesh: Any, in_specs: Any, out_specs: Any) -> Callable:
+    """``jax.shard_map`` (entry ``shard_map``), else its experimental ancestor."""
+    if AVAILABLE["shard_map"]:
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    legacy = _experimental_shard_map()
+    if legacy is None:  # pragma: no cover - a JAX without either
+        raise RuntimeError(
+            f"jaxslices: routing='all_to_all' needs jax.shard_map, which JAX "
+            f"{jax.__version__} does not have. Use routing='masked' (no "
+            "shard_map needed), or a JAX between "
+            f"{OLDEST_TESTED} and {NEWEST_TESTED}."
+        )
+    return legacy(f, mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+# -------------------------------------------------------- key-array class
+
+#: JAX versions whose key-array class layout was checked (lo inclusive, hi
+#: exclusive): the ``key_array_class`` patch is applied only there.
+KEY_ARRAY_CLASS_VERSIONS = ((0, 5, 3), (0, 13, 0))
+
+
+def patch_key_array_class(cls: type, wrap: Callable[[str, Any], Any]) -> bool:
+    """Replace the eager abstract methods of JAX's key-array class ``cls``.
+
+    Entry ``key_array_class``. ``cls`` is the class of a concrete (eager)
+    key array; every method or property JAX declares abstract on it, and
+    ``__array__``, is replaced by ``wrap(name, original)`` (a property's
+    getter for a property). ``wrap`` must call ``original`` for every array
+    that is not its business. Applied once per class; only for
+    :data:`KEY_ARRAY_CLASS_VERSIONS`. Returns whether ``cls`` is patched
+    (``False``: unavailable, untested JAX, or an unknown class layout; then
+    JAX's own errors stay).
+    """
+    if not AVAILABLE["key_array_class"] or not version_in(*KEY_ARRAY_CLASS_VERSIONS):
+        return False
+    if getattr(cls, "_jaxslices_patched", False):
+        return True
+    try:
+        names = []
+        for name in dir(cls):
+            attr = inspect.getattr_static(cls, name)
+            fn = attr.fget if isinstance(attr, property) else attr
+            if getattr(fn, "__isabstractmethod__", False):
+                names.append(name)
+        if not names or inspect.getattr_static(cls, "__array__", None) is None:
+            return False  # not the layout this was written for
+        for name in ["__array__", *names]:
+            attr = inspect.getattr_static(cls, name)
+            if isinstance(attr, property):
+                setattr(cls, name, property(wrap(name, attr.fget)))
+            elif callable(attr):
+                setattr(cls, name, wrap(name, attr))
+        cls._jaxslices_patched = True
+        return True
+    except Exception:  # noqa: BLE001 - never break jaxslices over a message
+        return False
+
+
+# ------------------------------------------------- key dtypes: names, fills
+
+
+def register_key_impl_names(names: dict[Any, str], tag: str) -> bool:
+    """Add key implementations to JAX's registry of named PRNGs.
+
+    Entry ``key_impl_names``. ``names`` maps key dtypes to their
+    implementation's name; ``tag`` is the implementations' tag, which marks a
+    registry entry as one of ours (replaced after a module reload). Returns
+    whether ``jax.random.wrap_key_data(..., impl=name)`` now gives each dtype
+    back (``False``: unavailable, or an unknown layout).
+    """
+    import sys
+
+    if not AVAILABLE["key_impl_names"]:
+        return False
+    try:
+        for dtype, name in names.items():
+            impl = getattr(dtype, "_impl", None)
+            registry = getattr(sys.modules.get(type(impl).__module__), "prngs", None)
+            if impl is None or impl.name != name or not isinstance(registry, dict):
+                return False
+            known = registry.get(name)
+            if known is not None and getattr(known, "tag", None) != tag:
+                return False  # the name is taken by something else
+            registry[name] = impl
+            words = impl.key_shape[0]
+            probe = jax.eval_shape(
+                lambda n=name, w=words: jax.random.wrap_key_data(
+                    jnp.zeros((0, w), jnp.uint32), impl=n
+                )
+            )
+            if probe.dtype != dtype:
+                return False
+        return True
+    except Exception:  # noqa: BLE001 - never break `import jaxslices`
+        return False
+
+
+def wrap_key_full_rule(dtypes: tuple[Any, ...], wrap: Callable) -> bool:
+    """Wrap the fill rule that ``lax.full`` / ``full_like`` use for key dtypes.
+
+    Entry ``key_full_rule``. ``dtypes`` share one rules class;
+    ``wrap(jax_full)`` returns the new ``full(shape, fill_value, dtype)``, which
+    must call ``jax_full`` for every dtype not in ``dtypes`` and whenever
+    ``AVAILABLE["key_full_rule"]`` is false (read at call time). Applied once.
+    Returns whether the rule is wrapped.
+    """
+    if not AVAILABLE["key_full_rule"]:
+        return False
+    try:
+        rules = dtypes[0]._rules
+        if any(d._rules is not rules for d in dtypes):
+            return False
+        original = inspect.getattr_static(rules, "full", None)
+        if getattr(getattr(original, "__func__", None), "_jaxslices", False):
+            return True
+        if not isinstance(original, staticmethod):
+            return False
+        params = list(inspect.signature(original.__func__).parameters)
+        if params != ["shape", "fill_value", "dtype"]:
+            return False
+        full = wrap(original.__func__)
+        full._jaxslices = True
+        rules.full = staticmethod(full)
+        return True
+    except Exception:  # noqa: BLE001 - never break `import jaxslices`
+        return False
