@@ -244,7 +244,59 @@ def design_typed_cost() -> str:
     return "\n".join(lines) + "\n"
 
 
+def design_checks_cost() -> str:
+    """docs/design.md: HLO and step time of the run-time checks (checks_cost)."""
+    d = load("checks_cost_cpu.json")
+    runs = d["runs"]
+    codes = list(dict.fromkeys(r["code"] for r in runs))
+    base, new = codes[0], codes[-1]
+    hlo = {c: next(r["hlo"] for r in runs if r["code"] == c) for c in codes}
+    same = [k for k in hlo[base] if hlo[base][k]["sha256"] == hlo[new][k]["sha256"]]
+    changed = []
+    for k in hlo[base]:
+        if k in same:
+            continue
+        delta = [
+            f"{hlo[new][k][op] - hlo[base][k][op]:+d} {op}"
+            for op in ("all-reduce", "all-gather", "all-to-all", "conditional")
+            if hlo[new][k][op] != hlo[base][k][op]
+        ]
+        changed.append(f"`{k}` ({', '.join(delta) or 'same op counts'})")
+    steps = list(runs[0]["median_ms"])
+    lines = [
+        f"Compiled HLO identical in `{base}` and `{new}`: "
+        + ", ".join(f"`{k}`" for k in same)
+        + ". Changed: "
+        + ", ".join(changed)
+        + ".",
+        "",
+        "| run | code | " + " | ".join(steps) + " |",
+        "| --- | --- |" + " --- |" * len(steps),
+    ]
+    for r in runs:
+        cells = " | ".join(f"{r['median_ms'][k]:.2f}" for k in steps)
+        lines.append(f"| {r['run']} | {r['code']} | {cells} |")
+    med = {
+        c: {
+            k: statistics.median(r["median_ms"][k] for r in runs if r["code"] == c)
+            for k in steps
+        }
+        for c in codes
+    }
+    lines.append("")
+    lines.append(
+        "Median over the runs: "
+        + "; ".join(
+            f"`{k}` " + ", ".join(f"{med[c][k]:.2f} ({c})" for c in codes)
+            for k in steps
+        )
+        + "."
+    )
+    return "\n".join(lines) + "\n"
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "design-checks-cost": design_checks_cost,
     "readme-demo": readme_demo,
     "examples-movielens": examples_movielens,
     "design-typed-cost": design_typed_cost,

@@ -20,6 +20,7 @@ jaxslices`` imports neither Flax nor Equinox):
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import _checkpoint
 from . import sharding as sharding
 from ._conditionality import apply_if_finite as apply_if_finite
 from .accumulate import MultiSteps as MultiSteps
@@ -75,6 +76,8 @@ from .tree import tree_pmean as tree_pmean
 from .tree import tree_psum as tree_psum
 from .tree import tree_scale as tree_scale
 from .updates import apply_updates as apply_updates
+
+_checkpoint.install_flax_serialization()  # Flax msgpack saves IndexedSlices
 
 
 def __getattr__(name: str):

@@ -4,7 +4,9 @@ Every method returns slices of the same static size ``N`` and the same dense
 equivalent whose valid indices are unique, every other slot being padding
 (index ``V = dense_shape[0]``, values zero) at the end, and records that in
 the result (``unique_indices``; ``indices_sorted`` when sorted), so coalescing
-it again is free. Rows are summed in at least float32. Every method gives the
+it again is free. Rows are summed in at least float32 (floats) or in at least
+32-bit integers (integers and booleans, never through a float): see
+:func:`sum_dtype`. Every method gives the
 same bits on every run, on every backend.
 
 Methods (``benchmarks/coalesce_bench.py`` measures them; results and the
@@ -33,6 +35,7 @@ reasons for the defaults in ``benchmarks/RESULTS.md``):
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +58,23 @@ def check_method(method: str, where: str) -> str:
     return method
 
 
+def sum_dtype(dtype: Any) -> Any:
+    """The dtype duplicate rows are summed in (the result is cast back).
+
+    Floats: at least float32 (300 bf16 ones sum to 300, not 256). Integers: at
+    least 32 bits of the same signedness, never a float (an int32 ``2**24 + 1``
+    survives); booleans as int32.
+    """
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.promote_types(dtype, jnp.float32)
+    if dtype == jnp.bool_:
+        return jnp.dtype(jnp.int32)
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return jnp.promote_types(dtype, jnp.uint32)
+    return jnp.promote_types(dtype, jnp.int32)
+
+
 def coalesce(s: IndexedSlices, method: str = "sort") -> IndexedSlices:
     """Implementation of :func:`jaxslices.coalesce` (see the module docstring)."""
     check_slices(s, "coalesce")
@@ -65,7 +85,7 @@ def coalesce(s: IndexedSlices, method: str = "sort") -> IndexedSlices:
     if n == 0:
         return s
     idx = slices.safe_indices(s)
-    values = s.values.astype(jnp.promote_types(s.dtype, jnp.float32))
+    values = s.values.astype(sum_dtype(s.dtype))
     gpu = {"cuda": _by_pair_sort, "rocm": _by_pair_sort}
     if method == "pair_sort":
         summed, unique_idx = _by_pair_sort(values, idx)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from . import _jax_compat, _layout
 from ._rowwise import is_leaf
 from .slices import IndexedSlices
 
@@ -13,25 +14,42 @@ __all__ = ["apply_if_finite"]
 
 
 def _all_finite(updates) -> jax.Array:
-    """``True`` when every float in ``updates`` (slices: their values) is finite."""
+    """``True`` when every float in ``updates`` (slices: their values) is finite.
+
+    In a row-sharded step (``sharded_update(routing="all_to_all")``) the slices'
+    non-finite counts are summed over the shards, so every shard decides alike.
+    """
     leaves = jax.tree.leaves(updates, is_leaf=is_leaf)
-    checks = [
-        jnp.all(jnp.isfinite(x.values if isinstance(x, IndexedSlices) else x))
+    bad = [
+        _layout.sum_over_shards(jnp.sum(~jnp.isfinite(x.values)))
+        if isinstance(x, IndexedSlices)
+        else jnp.sum(~jnp.isfinite(x))
         for x in leaves
         if x is not None
     ]
-    return jnp.all(jnp.array(checks)) if checks else jnp.array(True)
+    return sum(bad) == 0 if bad else jnp.array(True)
 
 
 def _zeros(x):
-    """Zeros shaped like ``x``; slices as all-padding slots (they touch no row)."""
+    """Zeros shaped like ``x``; slices as all-padding slots (they touch no row).
+
+    Inside ``shard_map`` the zeros vary over the mesh axes ``x`` varies over,
+    so that both branches of the ``cond`` have one type.
+    """
     if x is None:
         return None
     if isinstance(x, IndexedSlices):
-        values = jnp.zeros(x.values.shape, x.values.dtype)
+        values = _vary_as(jnp.zeros(x.values.shape, x.values.dtype), x.values)
         padding = jnp.full(x.indices.shape, x.dense_shape[0], x.indices.dtype)
-        return IndexedSlices(values, padding, x.dense_shape)
-    return jnp.zeros(x.shape, x.dtype)
+        return IndexedSlices(values, _vary_as(padding, x._indices), x.dense_shape)
+    return _vary_as(jnp.zeros(x.shape, x.dtype), x)
+
+
+def _vary_as(zeros: jax.Array, like) -> jax.Array:
+    axes = tuple(sorted(_jax_compat.varying_axes(like) or ()))
+    if axes and _jax_compat.AVAILABLE["pcast_varying"]:
+        return _jax_compat.pcast_varying(zeros, axes)
+    return zeros
 
 
 def apply_if_finite(

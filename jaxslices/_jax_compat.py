@@ -60,14 +60,17 @@ __all__ = [
     "axis_kinds",
     "current_trace",
     "inventory_table",
+    "manual_axes",
     "parse_version",
     "patch_key_array_class",
     "pcast_varying",
+    "register_key_impl_names",
     "shard_map",
     "trace_state",
     "varying_axes",
     "version_in",
     "vmap_route",
+    "wrap_key_full_rule",
 ]
 
 # ------------------------------------------------------------------ versions
@@ -218,6 +221,48 @@ ENTRIES: tuple[Entry, ...] = (
         "number; under `jit` JAX's error names the fix anyway)",
         "the jaxslices wording of eager errors",
     ),
+    Entry(
+        "key_impl_names",
+        "JAX's registry of named PRNG implementations (`prngs` in the module "
+        "of a key dtype's implementation, `jax._src.random.prng` today) and "
+        "`dtype._impl`",
+        "checkpointers (Orbax) save a key array as its words plus "
+        "`str(jax.random.key_impl(x))` and rebuild it with "
+        "`jax.random.wrap_key_data(words, impl=that_name)`: the typed indices' "
+        "two implementations are added under their names, so that restoring "
+        "an `IndexedSlices` works",
+        "0.10.2, 0.12.0.1",
+        "none that restores: Orbax saves typed indices and cannot restore "
+        "them (`tests/test_checkpoint.py` fails); Flax msgpack and pickle do "
+        "not use it",
+        "Orbax checkpoints of trees holding `IndexedSlices` (`MultiSteps` states)",
+    ),
+    Entry(
+        "key_full_rule",
+        "a key dtype's fill rule `dtype._rules.full(shape, fill_value, dtype)` "
+        "(JAX's `KeyTyRules.full`, a staticmethod), wrapped",
+        "`jnp.ones_like`, `full_like`, `zeros_like` and `lax.full` of typed "
+        "indices broadcast the fill value into the ids: the wrapper raises for "
+        "a non-zero fill and gives id -1 (no row) for a zero fill, typed "
+        "indices only",
+        "0.10.2, 0.12.0.1",
+        "none: such fills give wrong ids silently, as before (the tests fail "
+        "on such a JAX)",
+        "the error for `jax.tree.map(jnp.ones_like, grads)`; `zeros_like` "
+        "touching no row",
+    ),
+    Entry(
+        "manual_axes",
+        "`jax.sharding.get_abstract_mesh()` and its `axis_types` and `shape`",
+        "a run-time check (`_errors.raise_if`) inside `shard_map` makes its "
+        "predicate the same on every device with a `psum` over the manual "
+        "axes, so that every device raises, none waits in a collective",
+        "0.10.2, 0.12.0.1",
+        "no manual axes known: each device decides on its own values (a check "
+        "failing on one device only can leave the others waiting, as before)",
+        "raising on every device inside `shard_map` (a hang instead of an "
+        "error when one device fails)",
+    ),
 )
 
 _HEADER = ("entry", "JAX names", "why", "versions checked", "fallback", "breaks")
@@ -288,6 +333,9 @@ AVAILABLE: dict[str, bool] = {
     "axis_types": hasattr(jax.sharding, "AxisType"),
     "shard_map": hasattr(jax, "shard_map"),
     "key_array_class": True,  # structural checks in patch_key_array_class
+    "key_impl_names": True,  # structural checks in register_key_impl_names
+    "key_full_rule": True,  # structural checks in wrap_key_full_rule
+    "manual_axes": hasattr(jax.sharding, "get_abstract_mesh"),
 }
 
 assert set(AVAILABLE) == {e.name for e in ENTRIES}
@@ -452,6 +500,33 @@ def axis_kinds(mesh: Any) -> frozenset[str] | None:
     return frozenset(str(t).rsplit(".", 1)[-1] for t in types)
 
 
+def manual_axes() -> tuple[str, ...]:
+    """The manual axes of more than one device here (inside ``shard_map``).
+
+    Entry ``manual_axes``, in mesh order. ``()`` outside ``shard_map``, and
+    when unavailable or the mesh's layout is unknown.
+
+    Example:
+      >>> manual_axes()
+      ()
+    """
+    if not AVAILABLE["manual_axes"]:
+        return ()
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh is None or getattr(mesh, "empty", True):
+            return ()
+        kinds = getattr(mesh, "axis_types", None) or ()
+        sizes = dict(mesh.shape)
+        return tuple(
+            name
+            for name, kind in zip(mesh.axis_names, kinds, strict=False)
+            if str(kind).rsplit(".", 1)[-1] == "Manual" and sizes.get(name, 1) > 1
+        )
+    except (AttributeError, TypeError):  # pragma: no cover - unknown layout
+        return ()
+
+
 def shard_map(f: Callable, mesh: Any, in_specs: Any, out_specs: Any) -> Callable:
     """``jax.shard_map`` (entry ``shard_map``), else its experimental ancestor."""
     if AVAILABLE["shard_map"]:
@@ -508,4 +583,74 @@ def patch_key_array_class(cls: type, wrap: Callable[[str, Any], Any]) -> bool:
         cls._jaxslices_patched = True
         return True
     except Exception:  # noqa: BLE001 - never break jaxslices over a message
+        return False
+
+
+# ------------------------------------------------- key dtypes: names, fills
+
+
+def register_key_impl_names(names: dict[Any, str], tag: str) -> bool:
+    """Add key implementations to JAX's registry of named PRNGs.
+
+    Entry ``key_impl_names``. ``names`` maps key dtypes to their
+    implementation's name; ``tag`` is the implementations' tag, which marks a
+    registry entry as one of ours (replaced after a module reload). Returns
+    whether ``jax.random.wrap_key_data(..., impl=name)`` now gives each dtype
+    back (``False``: unavailable, or an unknown layout).
+    """
+    import sys
+
+    if not AVAILABLE["key_impl_names"]:
+        return False
+    try:
+        for dtype, name in names.items():
+            impl = getattr(dtype, "_impl", None)
+            registry = getattr(sys.modules.get(type(impl).__module__), "prngs", None)
+            if impl is None or impl.name != name or not isinstance(registry, dict):
+                return False
+            known = registry.get(name)
+            if known is not None and getattr(known, "tag", None) != tag:
+                return False  # the name is taken by something else
+            registry[name] = impl
+            words = impl.key_shape[0]
+            probe = jax.eval_shape(
+                lambda n=name, w=words: jax.random.wrap_key_data(
+                    jnp.zeros((0, w), jnp.uint32), impl=n
+                )
+            )
+            if probe.dtype != dtype:
+                return False
+        return True
+    except Exception:  # noqa: BLE001 - never break `import jaxslices`
+        return False
+
+
+def wrap_key_full_rule(dtypes: tuple[Any, ...], wrap: Callable) -> bool:
+    """Wrap the fill rule that ``lax.full`` / ``full_like`` use for key dtypes.
+
+    Entry ``key_full_rule``. ``dtypes`` share one rules class;
+    ``wrap(jax_full)`` returns the new ``full(shape, fill_value, dtype)``, which
+    must call ``jax_full`` for every dtype not in ``dtypes`` and whenever
+    ``AVAILABLE["key_full_rule"]`` is false (read at call time). Applied once.
+    Returns whether the rule is wrapped.
+    """
+    if not AVAILABLE["key_full_rule"]:
+        return False
+    try:
+        rules = dtypes[0]._rules
+        if any(d._rules is not rules for d in dtypes):
+            return False
+        original = inspect.getattr_static(rules, "full", None)
+        if getattr(getattr(original, "__func__", None), "_jaxslices", False):
+            return True
+        if not isinstance(original, staticmethod):
+            return False
+        params = list(inspect.signature(original.__func__).parameters)
+        if params != ["shape", "fill_value", "dtype"]:
+            return False
+        full = wrap(original.__func__)
+        full._jaxslices = True
+        rules.full = staticmethod(full)
+        return True
+    except Exception:  # noqa: BLE001 - never break `import jaxslices`
         return False

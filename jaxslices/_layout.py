@@ -7,6 +7,9 @@ scatters without importing the modules built on top of it.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import jax
@@ -51,3 +54,37 @@ def replicate_rows(target: Any, tree: Any) -> Any:
         return tree
     replicated = NamedSharding(mesh, P())
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), tree)
+
+
+# ------------------------------------------------- rows owned by each shard
+
+_SHARDED = threading.local()
+
+
+@contextmanager
+def rows_sharded_over(axis: str) -> Iterator[None]:
+    """While tracing a per-shard optimizer step: slices hold this shard's rows.
+
+    :func:`jaxslices.sharded_update` with ``routing="all_to_all"`` runs the
+    optimizer inside ``shard_map`` on the rows each shard owns; a quantity
+    summed over all rows (the global norm of ``clip_by_global_norm``, the
+    non-finite count of ``apply_if_finite``) must then be summed over the
+    shards too (:func:`sum_over_shards`).
+    """
+    previous = getattr(_SHARDED, "axis", None)
+    _SHARDED.axis = axis
+    try:
+        yield
+    finally:
+        _SHARDED.axis = previous
+
+
+def sum_over_shards(x: Any) -> Any:
+    """``x``, computed from slices' rows, summed over the shards that own rows.
+
+    Inside :func:`rows_sharded_over` a ``psum`` over its axis (each shard holds
+    different rows; replicas over the mesh's other axes hold the same ones);
+    elsewhere ``x`` itself.
+    """
+    axis = getattr(_SHARDED, "axis", None)
+    return x if axis is None else jax.lax.psum(x, axis)

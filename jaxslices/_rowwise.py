@@ -183,7 +183,9 @@ def global_norm(updates: Any) -> jax.Array:
 
     def sum_sq(x):
         if isinstance(x, IndexedSlices):
-            x = coalesce_for_update(x).values  # free: coalesced by the caller
+            values = coalesce_for_update(x).values  # free: coalesced by the caller
+            # Row-sharded step (all_to_all): each shard holds its own rows.
+            return _layout.sum_over_shards(slices.sum_of_squares(values))
         return slices.sum_of_squares(x)
 
     leaves = [x for x in jax.tree.leaves(updates, is_leaf=is_leaf) if x is not None]

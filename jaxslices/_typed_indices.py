@@ -99,6 +99,9 @@ DTYPE32 = jax.eval_shape(
 DTYPE64 = jax.eval_shape(
     lambda: jax.random.wrap_key_data(jnp.zeros((0, 2), jnp.uint32), impl=IMPL64)
 ).dtype
+#: The implementation names a checkpoint stores for typed indices (see
+#: ``_jax_compat.register_key_impl_names``).
+NAMES = {DTYPE32: "jaxslices_indices_int32", DTYPE64: "jaxslices_indices_int64"}
 
 
 def is_typed(x: Any) -> bool:
@@ -109,23 +112,38 @@ def is_typed(x: Any) -> bool:
     return dtype == DTYPE32 or dtype == DTYPE64
 
 
+def x64_enabled() -> bool:
+    """Whether JAX has 64-bit integers now (``jax_enable_x64``)."""
+    return jax.dtypes.canonicalize_dtype(jnp.int64) == jnp.int64
+
+
+def needs_int64(num_rows: int) -> bool:
+    """Whether the padding index ``num_rows`` needs int64 ids (> ``2**31 - 1``)."""
+    return num_rows > INT32_MAX
+
+
 def wrap(indices: Any, num_rows: int) -> Any:
     """Integer ids ``[..., N]`` -> typed indices ``[..., N]`` (no copy under jit).
 
-    ids of at most 32 bits become int32 (uint32 bit-cast: ids >= 2**31 turn
-    negative, i.e. stay invalid). 64-bit ids stay 64-bit when ``num_rows`` needs
-    it; otherwise they are narrowed to int32 after mapping every id outside
-    ``[0, num_rows]`` to -1, so no out-of-range id can wrap into a valid row.
+    For ``num_rows`` up to ``2**31 - 1``: ids of at most 32 bits become int32
+    (uint32 bit-cast: ids >= 2**31 turn negative, i.e. stay invalid, as they are
+    for such a table); 64-bit ids are narrowed to int32 after mapping every id
+    outside ``[0, num_rows]`` to -1, so no out-of-range id can wrap into a valid
+    row. For more rows (``jax_enable_x64`` required, checked by the caller) ids
+    are int64: 64-bit ids bit-cast, narrower ones (uint32 ids >= 2**31
+    included) converted by value.
     """
     dtype = jnp.dtype(indices.dtype)
-    wide = dtype.itemsize == 8 and num_rows > INT32_MAX
+    wide = needs_int64(num_rows)
     if isinstance(indices, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(
             indices.shape, DTYPE64 if wide else DTYPE32, sharding=indices.sharding
         )
     if wide:
         ids = indices
-        if dtype != jnp.int64:
+        if dtype.itemsize != 8:
+            ids = ids.astype(jnp.int64)  # value-preserving (uint32 included)
+        elif dtype != jnp.int64:
             ids = jax.lax.bitcast_convert_type(ids, jnp.int64)
         words = jax.lax.bitcast_convert_type(ids, jnp.uint32)  # [..., N, 2]
         return _with_messages(jax.random.wrap_key_data(words, impl=IMPL64))
@@ -151,10 +169,12 @@ def unwrap(typed: Any) -> Any:
         raise TypeError(
             "IndexedSlices: the `indices` child of this IndexedSlices is a "
             f"{type(typed).__name__} of dtype {getattr(typed, 'dtype', None)}, not "
-            "the typed indices jaxslices stores. It was probably rebuilt with "
-            "jax.tree.unflatten / jax.tree.map from leaves that did not come from "
-            "an IndexedSlices. Build it with IndexedSlices(values, indices, "
-            "dense_shape) from plain integer indices instead."
+            "the typed indices jaxslices stores, so it holds no row ids. It was "
+            "rebuilt by jax.tree.map / jax.tree.unflatten from other leaves: "
+            "jax.tree.map(f, grads) applies f to the indices too (e.g. "
+            "jnp.isnan gives bools). To apply f to the values and keep the ids, "
+            "use jaxslices.tree_map_values(f, grads); to build slices, use "
+            "IndexedSlices(values, indices, dense_shape) with plain integer ids."
         )
     words = jax.random.key_data(typed)
     if typed.dtype == DTYPE32:
@@ -162,6 +182,83 @@ def unwrap(typed: Any) -> Any:
             jax.lax.squeeze(words, (words.ndim - 1,)), jnp.int32
         )
     return jax.lax.bitcast_convert_type(words, jnp.int64)
+
+
+# ------------------------------------- checkpoints and array constructors
+#
+# Two more touch points on JAX internals, through :mod:`jaxslices._jax_compat`
+# (its inventory gives the names, the versions checked and the fallbacks):
+#
+# * ``key_impl_names``: checkpointers store a key array as its ``uint32`` words
+#   plus ``str(jax.random.key_impl(x))`` and rebuild it with
+#   ``jax.random.wrap_key_data(words, impl=that_string)`` (Orbax does exactly
+#   this). JAX resolves such a string only for implementations in its registry
+#   of named PRNGs, which ``define_prng_impl`` does not add to: restoring
+#   failed with "unrecognized PRNG implementation". The two typed-indices
+#   implementations are registered under :data:`NAMES` at import.
+# * ``key_full_rule``: ``jnp.zeros_like``, ``ones_like``, ``full_like``,
+#   ``lax.full`` (and ``empty_like`` before JAX 0.11) of a key array call the
+#   key dtype's fill rule, which broadcasts the number into the key's words: on
+#   typed indices every id became 0, 1 or the fill value, silently
+#   (``jax.tree.map(jnp.ones_like, grads)``, ``optax.tree.full_like``). The
+#   rule is wrapped (:func:`_full_rule`) at trace time (so also under ``jit``),
+#   for typed indices only: a non-zero or traced numeric fill raises a
+#   ``TypeError`` naming ``IndexedSlices`` and the fix; a zero fill
+#   (``zeros_like`` mapped over a whole gradient tree: zero values) gives id
+#   -1, invalid, so the result is a zero gradient that touches no row (what
+#   ``optax.apply_if_finite`` returns on a rejected step); a fill with typed
+#   indices (broadcasting an existing id) and empty results are JAX's. Every
+#   other key dtype goes to JAX's rule untouched. (``jnp.empty_like`` on JAX
+#   >= 0.11 is uninitialized memory, ids and values alike, as JAX documents.)
+
+
+def _fill_error(fill_value: Any) -> TypeError:
+    return TypeError(
+        "jnp.ones_like / full_like (or lax.full) of the indices of a jaxslices "
+        f"IndexedSlices would replace every row id by {fill_value!r}: generic "
+        "code applied an array constructor to every leaf of a gradient tree, "
+        "e.g. jax.tree.map(jnp.ones_like, grads) or optax.tree.full_like(grads, "
+        "c). Use jaxslices.tree_map_values(fn, grads), which applies fn to the "
+        "values of each IndexedSlices and keeps its indices, or densify first "
+        "with jaxslices.to_dense(grads). (A zero fill is allowed: "
+        "jax.tree.map(jnp.zeros_like, grads) is a zero gradient that touches no "
+        "row.) " + FIX
+    )
+
+
+def _is_zero(fill_value: Any) -> bool:
+    """A concrete zero (``zeros_like``, ``empty_like``, ``full_like(x, 0)``)."""
+    if isinstance(fill_value, jax.core.Tracer):
+        return False
+    try:
+        return bool(np.all(np.asarray(fill_value) == 0))
+    except (TypeError, ValueError):
+        return False
+
+
+def _full_rule(jax_full: Any) -> Any:
+    """JAX's key fill rule, refusing numeric fills of typed indices (see above)."""
+
+    def full(shape, fill_value, dtype):
+        ours = dtype == DTYPE32 or dtype == DTYPE64
+        if (
+            ours
+            and _jax_compat.AVAILABLE["key_full_rule"]
+            and not is_typed(fill_value)
+            and int(np.prod(shape)) > 0
+        ):
+            if not _is_zero(fill_value):
+                raise _fill_error(fill_value)
+            # A zero gradient touches no row: id -1, every word's bits set.
+            fill_value = np.uint32(0xFFFFFFFF)
+        return jax_full(shape, fill_value, dtype)
+
+    return full
+
+
+#: Whether each entry above could be applied on this JAX (tests assert both).
+NAMES_REGISTERED = _jax_compat.register_key_impl_names(NAMES, TAG)
+FULL_RULE_INSTALLED = _jax_compat.wrap_key_full_rule((DTYPE32, DTYPE64), _full_rule)
 
 
 # ------------------------------------------------ eager error messages

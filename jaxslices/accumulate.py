@@ -18,13 +18,14 @@ gradient, known when ``update`` is traced) the micro-gradients are simply
 concatenated: nothing can overflow. A smaller capacity (or a schedule) is
 allowed: when the next micro-gradient does not fit, the buffer and it are
 coalesced (duplicate rows summed, :func:`jaxslices.coalesce`) and the distinct
-rows kept; if even the distinct rows do not fit, the step raises (a host
-callback, also under ``jit``, like :func:`jaxslices.check_ids`): a gradient is
-never dropped silently.
+rows kept; if even the distinct rows do not fit, the step raises (also under
+``jit``, on every device of a mesh, like :func:`jaxslices.check_ids`): a
+gradient is never dropped silently.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -34,7 +35,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from . import slices
+from . import _errors, slices
 from .slices import IndexedSlices, _replace_values
 
 __all__ = ["MultiSteps", "MultiStepsState"]
@@ -78,14 +79,13 @@ def _no_skip(updates: Any, gradient_step: Any, params: Any):
     return jnp.array(False, dtype=jnp.bool_), ()
 
 
-def _raise_overflow(overflow: np.ndarray, distinct: np.ndarray, capacity: int, where):
-    if bool(overflow):
-        raise ValueError(
-            f"{where}: the accumulated gradient touches {int(distinct)} distinct "
-            f"rows but the buffer has capacity={capacity} slots. Increase "
-            "`capacity` (with a constant every_k_schedule=k, capacity >= k * "
-            "slots per micro-batch never overflows) or accumulate fewer steps."
-        )
+def _overflow_error(distinct: int, *, capacity: int, where: str) -> ValueError:
+    return ValueError(
+        f"{where}: the accumulated gradient touches {distinct} distinct rows but "
+        f"the buffer has capacity={capacity} slots. Increase `capacity` (with a "
+        "constant every_k_schedule=k, capacity >= k * slots per micro-batch never "
+        "overflows) or accumulate fewer steps."
+    )
 
 
 def _padding_buffer(capacity: int, shape: tuple[int, ...], dtype: Any):
@@ -276,10 +276,20 @@ class MultiSteps:
             )
             c = slices.coalesce(both)  # distinct valid rows first, then padding
             distinct = jnp.sum(slices.valid_mask(c).astype(jnp.int32))
-            jax.debug.callback(
-                _raise_overflow, distinct > cap, distinct, cap, where, ordered=False
+            # The kept slots are read from a start that the check guards, so
+            # nothing downstream runs before it (0 unless it raises).
+            start = _errors.raise_if(
+                distinct > cap,
+                jnp.zeros((), jnp.int32),
+                functools.partial(_overflow_error, capacity=cap, where=where),
+                distinct,
+                like=(buf.values,),
             )
-            kept = IndexedSlices(c.values[:cap], c.indices[:cap], buf.dense_shape)
+            kept = IndexedSlices(
+                jax.lax.dynamic_slice_in_dim(c.values, start, cap),
+                jax.lax.dynamic_slice_in_dim(c.indices, start, cap),
+                buf.dense_shape,
+            )
             return kept, jnp.minimum(distinct, cap).astype(fill.dtype)
 
         del k_steps

@@ -16,10 +16,11 @@ out of range and their min and max (your ids as passed: for
 * concrete ids (NumPy arrays, lists, JAX arrays outside any transformation):
   ``ValueError``, raised at the call;
 * traced ids (under ``jax.jit``, and other transformations that trace the ids):
-  the check runs on the device through ``jax.debug.callback`` and JAX raises
-  ``jax.errors.JaxRuntimeError`` (a ``RuntimeError``) with the message, when
-  the result is computed: catch it around the jitted call and
-  ``jax.block_until_ready`` of its result.
+  the check runs on the device (:func:`jaxslices._errors.raise_if`, on every
+  device of a mesh) and JAX raises ``jax.errors.JaxRuntimeError`` (a
+  ``RuntimeError``) with the message, on every process, when the result is
+  computed: catch it around the jitted call and ``jax.block_until_ready`` of
+  its result.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from . import _backend, _tape
+from . import _backend, _errors, _tape
 
 __all__ = ["embedding_lookup", "embedding_bag", "check_ids"]
 
@@ -108,28 +109,29 @@ def _bad_ids_message(where: str, num_rows: int, n_bad: int, lo: int, hi: int) ->
     )
 
 
-def _raise_bad_ids(n_bad, lo, hi, *, num_rows: int, where: str) -> None:
-    if int(n_bad):
-        raise ValueError(
-            _bad_ids_message(where, num_rows, int(n_bad), int(lo), int(hi))
-        )
+def _bad_ids_error(n_bad: int, lo: int, hi: int, *, num_rows: int, where: str):
+    return ValueError(_bad_ids_message(where, num_rows, n_bad, lo, hi))
 
 
 def _has_tracer(x: Any) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
 
 
-def _check_ids(ids: Any, num_rows: int, where: str, counted: Any = None) -> None:
+def _check_ids(
+    ids: Any, num_rows: int, where: str, counted: Any = None, like: Any = ()
+) -> Any:
     """Check ``ids`` (the caller's own, before any remapping or narrowing).
 
     ``counted`` (bool, like ``ids``) excludes slots from the check (padding).
-    Concrete ids are checked at once (``ValueError``); traced ids through a host
-    callback, which JAX re-raises as ``jax.errors.JaxRuntimeError``.
+    Concrete ids are checked at once (``ValueError``); traced ids by
+    :func:`jaxslices._errors.raise_if`, which JAX re-raises as
+    ``jax.errors.JaxRuntimeError``, on every device of a mesh. Returns ``ids``;
+    under ``jit`` what is computed from the result waits for the check.
     """
     if ids.size == 0:
-        return
+        return ids
     if not isinstance(ids, jax.core.Tracer) and not _has_tracer(counted):
-        ids = np.asarray(ids)
+        given, ids = ids, np.asarray(ids)
         counted = np.ones(ids.shape, bool) if counted is None else np.asarray(counted)
         bad = counted & ~_valid(ids, num_rows)
         if bad.any():
@@ -143,41 +145,53 @@ def _check_ids(ids: Any, num_rows: int, where: str, counted: Any = None) -> None
                     int(checked.max()),
                 )
             )
-        return
+        return given
+    ids = jnp.asarray(ids)
     counted = jnp.ones(ids.shape, bool) if counted is None else jnp.asarray(counted)
     info = jnp.iinfo(ids.dtype)
     bad = counted & ~_valid(ids, num_rows)
     lo = jnp.min(jnp.where(counted, ids, jnp.array(info.max, ids.dtype)))
     hi = jnp.max(jnp.where(counted, ids, jnp.array(info.min, ids.dtype)))
-    jax.debug.callback(
-        functools.partial(_raise_bad_ids, num_rows=num_rows, where=where),
-        jnp.sum(bad),
+    return _errors.raise_if(
+        bad,
+        ids,
+        functools.partial(_bad_ids_error, num_rows=num_rows, where=where),
+        jnp.sum(bad.astype(jnp.int32)),
         lo,
         hi,
-        ordered=False,
+        reduce=("sum", "min", "max"),
+        like=(ids, *like),
     )
 
 
-def check_ids(ids: ArrayLike, num_rows: int) -> None:
+def check_ids(ids: ArrayLike, num_rows: int) -> Any:
     """Raise an error if an id is outside ``[0, num_rows)``, also under ``jit``.
 
     The message gives the ids' min and max and how many are out of range,
     computed on the ids as given (before any narrowing to the index dtype).
     Concrete ids (NumPy, lists, JAX arrays outside ``jit``) raise ``ValueError``
-    at once. Traced ids (under ``jax.jit``) are checked by a host callback when
-    the step runs, and JAX raises ``jax.errors.JaxRuntimeError`` (a
-    ``RuntimeError``) carrying this message: catch that type around the jitted
-    call (and ``jax.block_until_ready`` its result).
+    at once. Traced ids (under ``jax.jit``) are checked when the step runs, and
+    JAX raises ``jax.errors.JaxRuntimeError`` (a ``RuntimeError``) carrying this
+    message: catch that type around the jitted call (and
+    ``jax.block_until_ready`` its result). Over a device mesh (ids sharded by
+    ``jit``, or inside ``shard_map``) every device checks the ids of all and
+    every process raises; no collective is left waiting.
+
+    Returns the ids (NumPy or JAX, as given). Under ``jit``, look up with the
+    result, ``ids = jaxslices.check_ids(ids, V)``: what is computed from it
+    (the lookup, and the collectives after it) then waits for the check. An
+    unused result is still checked, without that ordering.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
       >>> jaxslices.check_ids(jnp.array([0, 4]), num_rows=5)  # fine
+      Array([0, 4], dtype=int32)
       >>> jaxslices.check_ids([0, 7, -1], num_rows=5)
       Traceback (most recent call last):
       ...
       ValueError: check_ids: ids must be in [0, 5) for a table with 5 rows; 2 ids ...
     """
-    _check_ids(_as_ids(ids, "check_ids"), num_rows, "check_ids")
+    return _check_ids(_as_ids(ids, "check_ids"), num_rows, "check_ids")
 
 
 def _as_ids(ids: Any, where: str) -> Any:
@@ -249,7 +263,9 @@ def embedding_lookup(
     """
     table, ids, num_rows, handler = _prepare(table, ids, "embedding_lookup")
     if check_ids:
-        _check_ids(ids, num_rows, "embedding_lookup(check_ids=True)")
+        ids = _check_ids(
+            ids, num_rows, "embedding_lookup(check_ids=True)", like=(table,)
+        )
     return _lookup_rows(table, _safe_ids(ids, num_rows), dtype, handler)
 
 
@@ -334,7 +350,13 @@ def embedding_bag(
     else:  # no padding, or a padding id that no id of this dtype can equal
         present = None
     if check_ids:
-        _check_ids(ids, num_rows, "embedding_bag(check_ids=True)", counted=present)
+        ids = _check_ids(
+            ids,
+            num_rows,
+            "embedding_bag(check_ids=True)",
+            counted=present,
+            like=(table,),
+        )
     safe = _safe_ids(ids, num_rows)
     if present is None:
         present = jnp.ones(ids.shape, bool)

@@ -44,7 +44,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _tape
+from . import _errors, _layout, _tape
 from . import updates as updates_
 from ._jax_compat import abstract_mesh as _abstract_mesh
 from ._jax_compat import all_gather_invariant as _all_gather_invariant
@@ -182,21 +182,24 @@ def _check_routing(routing: str, where: str, capacity: Any = None) -> None:
         )
 
 
-def _raise_overflow(overflow, needed, capacity, where):
-    if bool(overflow):
-        raise ValueError(
-            f"{where}(routing='all_to_all'): a device has {int(needed)} distinct "
-            f"ids for one shard, more than capacity={int(capacity)} slots. Nothing "
-            f"was dropped: the step stops here. Pass capacity >= {int(needed)} (or "
-            "capacity=None, which never overflows), or use routing='masked'."
-        )
+def _overflow_error(needed: int, *, capacity: int, where: str) -> ValueError:
+    return ValueError(
+        f"{where}(routing='all_to_all'): a device has {needed} distinct ids for "
+        f"one shard, more than capacity={capacity} slots. Nothing was dropped: "
+        f"the step stops here, on every device. Pass capacity >= {needed} (or "
+        "capacity=None, which never overflows), or use routing='masked'."
+    )
 
 
 def _bucket(ids: jax.Array, rows_per_shard: int, shards: int, capacity: int, where):
     """Destination (shard, slot) of each of ``ids`` (sorted unique, padding last).
 
     Returns ``(shard, slot, ok)``; ``ok`` is False for padding and for ids past a
-    destination's capacity (which raise at run time).
+    destination's capacity. Called inside ``shard_map``: if any device has more
+    ids for one shard than ``capacity``, every device raises (the largest
+    count over all devices in the message) before any exchange, because
+    every buffer sent is built from the checked ``slot``
+    (:func:`jaxslices._errors.raise_if`).
     """
     total = rows_per_shard * shards
     valid = (ids >= 0) & (ids < total)
@@ -204,11 +207,15 @@ def _bucket(ids: jax.Array, rows_per_shard: int, shards: int, capacity: int, whe
     start = jnp.searchsorted(shard, jnp.arange(shards, dtype=jnp.int32), side="left")
     pos = jnp.arange(ids.shape[0], dtype=jnp.int32)
     slot = pos - start[jnp.minimum(shard, shards - 1)]
-    over = valid & (slot >= capacity)
     needed = jnp.max(jnp.where(valid, slot + 1, 0))
-    jax.debug.callback(
-        _raise_overflow, jnp.any(over), needed, capacity, where, ordered=False
+    slot = _errors.raise_if(
+        needed > capacity,
+        slot,
+        functools.partial(_overflow_error, capacity=capacity, where=where),
+        needed,
+        reduce=("max",),
     )
+    over = valid & (slot >= capacity)
     return shard, slot, valid & ~over
 
 
@@ -415,10 +422,13 @@ def sharded_update(
     * ``routing="all_to_all"``: each device sums its local gradient rows per id
       and sends them to their owner shard (``capacity`` slots per shard; see
       :func:`sharded_lookup`); the optimizer then runs on each shard, on the
-      rows it owns. The table transforms must therefore be row-wise (every
-      jaxslices transform but :func:`jaxslices.clip_by_global_norm`, whose
-      norm would be per shard; ``shard_map``'s replication check raises if
-      such a per-shard value reaches a replicated parameter).
+      rows it owns. Every jaxslices transform works: the row-wise ones need
+      nothing else, and the two that look at all rows at once sum over the
+      shards (:func:`jaxslices.clip_by_global_norm`'s norm,
+      :func:`jaxslices.apply_if_finite`'s test). A stock Optax transform that
+      reduces over a table's gradient would see one shard's rows; JAX's
+      ``shard_map`` check then raises where such a per-shard value reaches a
+      replicated parameter.
 
     Args:
       tx: the optimizer, e.g. ``jaxslices.lazy_adam(1e-3)``.
@@ -516,7 +526,8 @@ def sharded_update(
             local_grads.append(g)
         grads_ = jax.tree.unflatten(treedef, local_grads)
         params_ = jax.tree.unflatten(treedef, p_flat)
-        updates, new_state = tx.update(grads_, state, params_)
+        with _layout.rows_sharded_over(axis):  # global norms sum over shards
+            updates, new_state = tx.update(grads_, state, params_)
         return jax.tree.leaves(updates_.apply_updates(params_, updates)), new_state
 
     new_leaves, new_state = _shard_map(

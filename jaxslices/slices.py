@@ -58,12 +58,14 @@ __all__ = [
 ]
 
 _CORRUPTED_INDICES_HINT = (
-    "Indices of an IndexedSlices must be integers. Float indices usually mean a "
-    "leaf-wise Optax transform (optax.scale, optax.sgd, optax.adam, ...) was "
-    "applied to a gradient tree holding IndexedSlices: it maps over `indices` as "
-    "if they were a parameter and corrupts them. Use the jaxslices transform of "
-    "the same name (jaxslices.sgd, jaxslices.scale, jaxslices.lazy_adam, ...), or "
-    "route the sparse leaves away from stock Optax with optax.multi_transform."
+    "Indices of an IndexedSlices must be integers. Other indices usually mean a "
+    "function was mapped over every leaf of a gradient tree, indices included: "
+    "jax.tree.map(f, grads) (jnp.isnan gives bools), or a leaf-wise Optax "
+    "transform (optax.scale, optax.sgd, optax.adam, ...). To apply f to the "
+    "values and keep the ids, use jaxslices.tree_map_values(f, grads); for "
+    "optimizers, the jaxslices transform of the same name (jaxslices.sgd, "
+    "jaxslices.scale, jaxslices.lazy_adam, ...), or route the sparse leaves away "
+    "from stock Optax with optax.multi_transform."
 )
 
 
@@ -109,6 +111,28 @@ def _check_integer_indices(indices: Any, where: str) -> None:
         raise TypeError(
             f"{where}: `indices` must have an integer dtype, got "
             f"{name}{list(indices.shape)}. {_CORRUPTED_INDICES_HINT}"
+        )
+
+
+def _check_index_width(dtype: Any, num_rows: int) -> None:
+    """The ids' dtype, and JAX, can hold the padding index ``num_rows``."""
+    wide = _typed_indices.needs_int64(num_rows)
+    if num_rows > jnp.iinfo(dtype).max:
+        wider = (
+            "int64 (with jax.config.update('jax_enable_x64', True))"
+            if wide
+            else "int32"
+        )
+        raise ValueError(
+            f"IndexedSlices: indices of dtype {dtype.name} cannot hold the padding "
+            f"index dense_shape[0] = {num_rows}; use {wider} indices."
+        )
+    if wide and not _typed_indices.x64_enabled():
+        raise ValueError(
+            f"IndexedSlices: a dense shape with {num_rows} rows (more than "
+            "2**31 - 1) needs int64 row ids, which JAX has only with "
+            "jax.config.update('jax_enable_x64', True) (set it at start-up), got "
+            f"{dtype.name} ids with 64-bit integers disabled."
         )
 
 
@@ -200,12 +224,7 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
                 f"for dense_shape {dense_shape}."
             )
         plain = _typed_indices.unwrap(indices) if typed else indices
-        if dense_shape[0] > jnp.iinfo(plain.dtype).max:
-            raise ValueError(
-                f"IndexedSlices: indices of dtype {jnp.dtype(plain.dtype).name} "
-                f"cannot hold the padding index dense_shape[0] = {dense_shape[0]}; "
-                "use a wider integer dtype such as int32."
-            )
+        _check_index_width(jnp.dtype(plain.dtype), dense_shape[0])
         if not typed:
             indices = _typed_indices.wrap(indices, dense_shape[0])
         self.values = values
@@ -294,13 +313,30 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
         return self.dense_shape[0]
 
     def __repr__(self) -> str:
-        try:
-            dtype = jnp.dtype(self.values.dtype).name
-            rows = self._indices.shape[0]
-        except AttributeError:  # placeholder leaves
-            return f"IndexedSlices(<{type(self.values).__name__}>, {self.dense_shape})"
         dims = ", ".join(str(d) for d in self.dense_shape)
-        return f"IndexedSlices({dtype}[{dims}], rows={rows})"
+        if _typed_indices.is_typed(self._indices) and hasattr(self.values, "dtype"):
+            dtype = jnp.dtype(self.values.dtype).name
+            return f"IndexedSlices({dtype}[{dims}], rows={self._indices.shape[0]})"
+        # Rebuilt from other leaves: placeholders (object(), None, specs) or the
+        # results of a function mapped over every leaf (jax.tree.map(jnp.isnan,
+        # grads) gives bool "indices"). Describe the leaves, never fail.
+        return (
+            f"IndexedSlices(values={_describe(self.values)}, "
+            f"indices={_describe(self._indices)}, dense_shape=({dims}))"
+        )
+
+    # -- pickling -------------------------------------------------------------
+    def __reduce__(self):
+        """Pickle as plain arrays: values, integer ids, dense shape, flags.
+
+        Independent of how JAX pickles the typed indices (unpickling needs
+        ``jaxslices`` importable, nothing else), and bit for bit: the ids are
+        wrapped again exactly as the constructor wraps them.
+        """
+        if not _typed_indices.is_typed(self._indices):  # leaves of a tree map
+            return (_build, (self.values, self._indices, self.dense_shape))
+        flags = (self._unique, self._sorted)
+        return (_unpickle, (self.values, self.indices, self.dense_shape, *flags))
 
     # -- conversions ----------------------------------------------------------
     def to_dense(self) -> jax.Array:
@@ -377,6 +413,29 @@ def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
         return np.broadcast_shapes(shape, target) == tuple(target)
     except ValueError:
         return False
+
+
+def _describe(x: Any) -> str:
+    """``float32[3, 2]`` for an array-like, the type's name for anything else."""
+    dtype, shape = getattr(x, "dtype", None), getattr(x, "shape", None)
+    if dtype is None or shape is None:
+        return f"<{type(x).__name__}>"
+    if _typed_indices.is_typed(x):
+        name = "typed ids"
+    else:
+        try:
+            name = jnp.dtype(dtype).name
+        except TypeError:
+            name = str(dtype)
+    return f"{name}[{', '.join(str(d) for d in shape)}]"
+
+
+def _unpickle(values, indices, dense_shape, unique=False, sorted_=False):
+    return _with_flags(
+        IndexedSlices(values, indices, dense_shape),
+        unique_indices=unique,
+        indices_sorted=sorted_,
+    )
 
 
 def _build(values: Any, typed_indices: Any, dense_shape: tuple[int, ...]):
@@ -544,12 +603,12 @@ def coalesce(s: IndexedSlices, *, method: str = "sort") -> IndexedSlices:
 
     The result has the same dense equivalent. Its first ``u`` slots hold the
     ``u`` distinct valid indices with their summed rows (summed in at least
-    float32); the remaining ``N - u`` slots are padding (index
-    ``dense_shape[0]``, values zero). Invalid indices are dropped (become
-    padding). Deterministic: the same input gives the same bits on every run,
-    on every backend. The result records that it is coalesced
-    (:attr:`IndexedSlices.unique_indices`), so coalescing it again returns it
-    as is.
+    float32; integers in at least 32-bit integers, never through a float); the
+    remaining ``N - u`` slots are padding (index ``dense_shape[0]``, values
+    zero). Invalid indices are dropped (become padding). Deterministic: the
+    same input gives the same bits on every run, on every backend. The result
+    records that it is coalesced (:attr:`IndexedSlices.unique_indices`), so
+    coalescing it again returns it as is.
 
     Args:
       s: the slices.

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import slices
+from . import _jax_compat, slices
 from .slices import IndexedSlices, _replace_values, check_slices
 
 __all__ = [
@@ -126,7 +126,9 @@ def tree_map_values(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
     clipping values): ``fn`` sees the slots, not the summed rows.
 
     Args:
-      fn: array -> array, keeping the leading dimension.
+      fn: array -> array. On a slices leaf it must keep the values' shape
+        ``[N, *dense_shape[1:]]`` (a ``ValueError`` names the leaf otherwise);
+        its dtype may change.
       tree: a gradient tree.
 
     Returns:
@@ -145,7 +147,21 @@ def tree_map_values(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
             return None
         if isinstance(g, IndexedSlices):
             check_slices(g, _where("tree_map_values", path))
-            return _replace_values(g, fn(g.values))
+            values = fn(g.values)
+            want = (g.num_slices, *g.row_shape)
+            got = getattr(values, "shape", None)
+            if got is None or tuple(got) != want:
+                what = type(values).__name__ if got is None else f"shape {got}"
+                raise ValueError(
+                    f"{_where('tree_map_values', path)}: `fn` must keep the shape "
+                    f"of the values of an IndexedSlices, {want} (one row of shape "
+                    f"dense_shape[1:] = {g.row_shape} per slot), but it returned "
+                    f"{what}. fn sees the slots' rows, so it must act row by row "
+                    "and keep the row shape (scaling, casting, clipping values). To "
+                    "reduce or reshape rows, densify first: "
+                    "fn(jaxslices.to_dense(tree))."
+                )
+            return _replace_values(g, values)
         return fn(g)
 
     return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=_is_leaf)
@@ -188,11 +204,52 @@ def _axis_size(axis_name: AxisName) -> Any:
     return jax.lax.psum(1, axis_name)
 
 
-def _gather_slices(s: IndexedSlices, axis_name: AxisName, where: str) -> IndexedSlices:
+def _axes(axis_name: AxisName) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _typed_axis(axis: Any) -> bool:
+    """Whether values carry their varying axes over ``axis``.
+
+    True inside ``shard_map(check_vma=True)`` (the default), where
+    ``axis_index`` varies over the axis; False with ``check_vma=False``, under
+    ``pmap`` and ``vmap``, where nothing records what varies.
+    """
+    return axis in (_jax_compat.varying_axes(jax.lax.axis_index(axis)) or ())
+
+
+def _sum_slices(
+    s: IndexedSlices, axis_name: AxisName, where: str
+) -> tuple[IndexedSlices, Any]:
+    """The sum over ``axis_name`` of per-device slices, and the axes' size.
+
+    Slices that vary over an axis (each device has its own) are all-gathered
+    over it, ``n * N`` slots, into a value every device holds alike. Slices
+    known to be the same on every device of an axis (inside
+    ``shard_map(check_vma=True)``: e.g. the gradient of a replicated table,
+    which JAX, and :func:`jaxslices.value_and_grad`, sum over the devices
+    already) are not gathered: their sum over the axis is ``n`` times them, as
+    ``jax.lax.psum`` of such a dense value is.
+    """
     check_slices(s, where)
-    values = jax.lax.all_gather(s.values, axis_name, axis=0, tiled=True)
-    indices = jax.lax.all_gather(s.indices, axis_name, axis=0, tiled=True)
-    return IndexedSlices(values, indices, s.dense_shape)
+    known = [_jax_compat.varying_axes(x) for x in (s.values, s._indices)]
+    # Unknown (None): treated as varying over every axis, i.e. gathered.
+    varying = None if None in known else known[0] | known[1]
+    gather, repeat = [], []
+    for axis in _axes(axis_name):
+        typed = _typed_axis(axis)
+        same = typed and varying is not None and axis not in varying
+        (repeat if same else gather).append((axis, typed))
+    values, indices = s.values, s.indices
+    if gather:
+        names = tuple(a for a, _ in gather)
+        if all(typed for _, typed in gather):  # the result is the same everywhere
+            values, indices = _jax_compat.all_gather_invariant((values, indices), names)
+        else:
+            values = jax.lax.all_gather(values, names, axis=0, tiled=True)
+            indices = jax.lax.all_gather(indices, names, axis=0, tiled=True)
+    copies = _axis_size(tuple(a for a, _ in repeat)) if repeat else 1
+    return IndexedSlices(values, indices, s.dense_shape), copies
 
 
 def tree_psum(tree: Any, axis_name: AxisName) -> Any:
@@ -231,7 +288,10 @@ def tree_psum(tree: Any, axis_name: AxisName) -> Any:
         if g is None:
             return None
         if isinstance(g, IndexedSlices):
-            return _gather_slices(g, axis_name, _where("tree_psum", path))
+            s, copies = _sum_slices(g, axis_name, _where("tree_psum", path))
+            if isinstance(copies, int) and copies == 1:
+                return s
+            return _replace_values(s, (s.values * copies).astype(s.dtype))
         return jax.lax.psum(g, axis_name)
 
     return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=_is_leaf)
@@ -265,9 +325,13 @@ def tree_pmean(tree: Any, axis_name: AxisName) -> Any:
         if g is None:
             return None
         if isinstance(g, IndexedSlices):
-            s = _gather_slices(g, axis_name, _where("tree_pmean", path))
-            n = _axis_size(axis_name)
-            return _replace_values(s, (s.values / n).astype(s.dtype))
+            s, copies = _sum_slices(g, axis_name, _where("tree_pmean", path))
+            n = _axis_size(_axes(axis_name))
+            if isinstance(copies, int) and copies == 1:
+                return _replace_values(s, (s.values / n).astype(s.dtype))
+            # n copies summed, divided by n: the slices themselves.
+            scale = copies / n
+            return _replace_values(s, (s.values * scale).astype(s.dtype))
         return jax.lax.pmean(g, axis_name)
 
     return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=_is_leaf)

@@ -83,6 +83,17 @@ def replicated(m: Mesh) -> NamedSharding:
     return NamedSharding(m, P())
 
 
+def data_parallel_args(m: Mesh, tx, params, ids, y, axis: str = "data"):
+    """``(params, state, ids, y)`` placed for a data-parallel step on ``m``."""
+    rep, bat = replicated(m), NamedSharding(m, P(axis))
+    return (
+        jax.device_put(params, rep),
+        jax.device_put(tx.init(params), rep),
+        jax.device_put(ids, bat),
+        jax.device_put(y, bat),
+    )
+
+
 def assert_trees_close(a, b, rtol=2e-5, atol=2e-6):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(la) == len(lb)

@@ -5,7 +5,9 @@ with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``: joins the others
 through ``jax.distributed`` on 127.0.0.1, builds one mesh over every process's
 CPU devices, trains a few data-parallel and row-sharded (all-to-all) steps and
 writes the largest difference to a single-device reference, computed in this
-process on one local device, to ``OUT_JSON``.
+process on one local device, to ``OUT_JSON``; then runs the steps of
+``tests/_failure_cases.py`` that fail on one device (a device of process 1)
+and writes what each raised in this process.
 """
 
 from __future__ import annotations
@@ -124,10 +126,15 @@ def main(port: str, pid: int, nproc: int, out_path: str) -> None:
     )
     global js
     js = importlib.import_module("jaxslices")  # before or after initialize()
-    result: dict = {"process": pid, "devices": jax.device_count()}
+    failures = importlib.import_module("_failure_cases")
+    result: dict = {"process": pid, "devices": jax.device_count(), "failures": {}}
     try:
         for mode in ("data_parallel", "row_sharded_all_to_all"):
             result[mode] = run(mode)
+        # Steps that fail on one device (of process 1): every process raises.
+        mesh = Mesh(np.array(jax.devices()), ("model",))
+        for case in failures.CASES:
+            result["failures"][case] = failures.run_case(case, mesh)
     except Exception:  # reported to the test, which fails with it
         result["error"] = traceback.format_exc()
     with open(out_path, "w") as f:

@@ -144,3 +144,25 @@ def test_scatter_contention_smoke(bench):
     (row,) = report["results"]
     assert set(row["median_ms"]) == {"raw", "coalesced", "distinct_ids"}
     assert row["distinct_ids"] <= 32
+
+
+def test_checks_cost_smoke(bench, tmp_path):
+    checks_cost = bench("checks_cost")
+    root = str(BENCH.parent)
+    report = checks_cost.main(
+        trees=(root,),
+        labels=("this",),
+        num_rows=256,
+        dim=4,
+        batch=16,
+        bag=2,
+        steps=2,
+        hlo_sizes=(512, 4, 16, 2),
+        out=str(tmp_path / "c.json"),
+    )
+    (run,) = report["runs"]
+    assert run["jaxslices"].startswith(root)
+    assert set(run["hlo"]) == set(checks_cost.HLO_STEPS)
+    assert run["hlo"]["sharded_all_to_all"]["all-to-all"] >= 2
+    assert all(math.isfinite(v) and v > 0 for v in run["median_ms"].values())
+    assert json.loads((tmp_path / "c.json").read_text())["runs"][0]["code"] == "this"

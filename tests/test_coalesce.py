@@ -217,3 +217,26 @@ def test_cpu_and_gpu_sort_strategies_agree(row_shape):
     np.testing.assert_allclose(a_vals, b_vals, rtol=1e-5, atol=1e-5)
     u = len(np.unique(np.asarray(idx)))
     np.testing.assert_array_equal(a_idx[:u], np.unique(np.asarray(idx)))
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32, jnp.int8, jnp.int16])
+def test_integer_values_sum_as_integers(method, dtype, use_jit):
+    """Issue 18: int32 values rounded through float32 (2**24 + 1 changed)."""
+    big = 2**24 + 1 if jnp.dtype(dtype).itemsize == 4 else 100
+    vals = jnp.asarray([big, 1, 5, big, 3], dtype)
+    ids = jnp.asarray([1, 1, 0, 3, 9])  # repeats and an invalid id
+    s = js.IndexedSlices(vals, ids, (4,))
+
+    def fn(s):
+        return js.coalesce(s, method=method)
+
+    c = (jax.jit(fn) if use_jit else fn)(s)
+    assert c.dtype == jnp.dtype(dtype)
+    want = np.zeros(4, np.int64)
+    for v, i in zip(np.asarray(vals, np.int64), np.asarray(ids), strict=True):
+        if i < 4:
+            want[i] += v
+    np.testing.assert_array_equal(c.to_dense(), want.astype(np.dtype(dtype)))
+    np.testing.assert_array_equal(c.to_dense(), s.to_dense())  # dense: a scatter

@@ -386,3 +386,70 @@ def test_key_array_patch_gate(monkeypatch):
 
     assert not _jax_compat.patch_key_array_class(NotKeys, wrap)
     assert _typed_indices.MESSAGES_INSTALLED in (None, True)
+
+
+# ------------------------------------ entries added for checkpoints and checks
+
+
+def test_key_impl_names_resolve_to_the_typed_indices():
+    assert _typed_indices.NAMES_REGISTERED
+    for dtype, name in _typed_indices.NAMES.items():
+        words = 1 if dtype == _typed_indices.DTYPE32 else 2
+        got = jax.eval_shape(
+            lambda n=name, w=words: jax.random.wrap_key_data(
+                jnp.zeros((3, w), jnp.uint32), impl=n
+            )
+        )
+        assert got.dtype == dtype
+    # Registering again (a module reload) is accepted; a foreign tag is not.
+    assert _jax_compat.register_key_impl_names(_typed_indices.NAMES, _typed_indices.TAG)
+    assert not _jax_compat.register_key_impl_names(_typed_indices.NAMES, "other")
+
+
+def test_key_impl_names_off_registers_nothing(monkeypatch):
+    monkeypatch.setitem(_jax_compat.AVAILABLE, "key_impl_names", False)
+    assert not _jax_compat.register_key_impl_names(
+        _typed_indices.NAMES, _typed_indices.TAG
+    )
+
+
+@pytest.mark.parametrize("off", [False, True])
+def test_key_full_rule(monkeypatch, off):
+    """On: ones_like of typed ids raises, zeros_like touches no row. Off: JAX's
+    own rule runs (the ids become the fill value: what the entry prevents)."""
+    assert _typed_indices.FULL_RULE_INSTALLED
+    if off:
+        monkeypatch.setitem(_jax_compat.AVAILABLE, "key_full_rule", False)
+    s = js.IndexedSlices(jnp.ones((3, 2)), jnp.array([4, 2, 4]), (5, 2))
+    ones = jax.jit(lambda t: jax.tree.map(jnp.ones_like, t))
+    zeros = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t))
+    if off:
+        np.testing.assert_array_equal(ones(s).indices, [1, 1, 1])
+        np.testing.assert_array_equal(zeros(s).indices, [0, 0, 0])
+    else:
+        with pytest.raises(TypeError, match=r"IndexedSlices(.|\n)*tree_map_values"):
+            ones(s)
+        np.testing.assert_array_equal(zeros(s).indices, [-1, -1, -1])
+    other = jax.random.key(0)  # every other key dtype: JAX's rule
+    assert jax.random.key_data(jnp.zeros_like(other)).tolist() == [0, 0]
+
+
+def test_manual_axes_inside_and_outside_shard_map(monkeypatch):
+    m = _mesh.mesh((2, 4), ("a", "b"))
+    seen = []
+
+    def f(x):
+        seen.append(_jax_compat.manual_axes())
+        return x
+
+    jax.jit(jax.shard_map(f, mesh=m, in_specs=P(("a", "b")), out_specs=P(("a", "b"))))(
+        jnp.zeros(8)
+    )
+    assert seen == [("a", "b")]
+    assert _jax_compat.manual_axes() == ()
+    monkeypatch.setitem(_jax_compat.AVAILABLE, "manual_axes", False)
+    seen.clear()
+    jax.jit(jax.shard_map(f, mesh=m, in_specs=P(("a", "b")), out_specs=P(("a", "b"))))(
+        jnp.zeros(8) + 1
+    )
+    assert seen == [()]

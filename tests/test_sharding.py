@@ -241,13 +241,7 @@ def test_data_parallel_inside_shard_map_with_tree_pmean(name):
     step = jax.jit(
         _shard_map(per_device, m, (P(), P(), P("data"), P("data")), (P(), P(), P()))
     )
-    rep, bat = _mesh.replicated(m), NamedSharding(m, P("data"))
-    args = (
-        jax.device_put(params0, rep),
-        jax.device_put(tx.init(params0), rep),
-        jax.device_put(ids, bat),
-        jax.device_put(y, bat),
-    )
+    args = _mesh.data_parallel_args(m, tx, params0, ids, y)
     compiled = step.lower(*args).compile()
     _hlo.assert_no_table_sized(compiled, V, D)
     out = compiled(*args)
@@ -322,13 +316,7 @@ def test_training_step_inside_shard_map_check_vma(name):
             out_specs=(P(), P(), P()),
         )
     )
-    rep, bat = _mesh.replicated(m), NamedSharding(m, P("data"))
-    args = (
-        jax.device_put(params0, rep),
-        jax.device_put(tx.init(params0), rep),
-        jax.device_put(ids, bat),
-        jax.device_put(y, bat),
-    )
+    args = _mesh.data_parallel_args(m, tx, params0, ids, y)
     compiled = step.lower(*args).compile()
     _hlo.assert_no_table_sized(compiled, V, D)
     _mesh.assert_trees_close(compiled(*args), ref)

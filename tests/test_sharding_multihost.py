@@ -2,8 +2,10 @@
 
 Both processes run ``tests/_multihost_worker.py`` (data parallel, then a
 row-sharded table with all-to-all routing) over one 8-device mesh and compare
-with a single-device reference. The test ends by itself: every wait has a
-timeout and the children are killed if anything goes wrong.
+with a single-device reference; then steps whose check fails on one device of
+process 1 (``tests/_failure_cases.py``), which must raise in both processes.
+The test ends by itself: every wait has a timeout and the children are killed
+if anything goes wrong.
 """
 
 import json
@@ -14,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from _failure_cases import CASES
+from test_errors import EXPECTED
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_multihost_worker.py")
@@ -66,6 +70,17 @@ def test_two_processes_four_devices_each(tmp_path):
         assert result["devices"] == 8
         assert result["data_parallel"] < 1e-5, result
         assert result["row_sharded_all_to_all"] < 1e-5, result
+    # A check that fails on one device (of process 1) raises in both processes,
+    # with the same message, and leaves no collective waiting: both went on to
+    # run a correct step, with the same result.
+    results = [json.loads(o.read_text()) for o in outs]
+    for case in CASES:
+        got = [r["failures"][case] for r in results]
+        for r in got:
+            assert r["raised"], (case, r)
+            assert EXPECTED[case] in r["message"], (case, r)
+        assert got[0]["message"] == got[1]["message"], case
+        assert got[0]["after"] == got[1]["after"], case
 
 
 def test_import_does_not_start_the_backend():

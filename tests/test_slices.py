@@ -140,7 +140,9 @@ def test_pytree_flatten_unflatten():
     # Unflatten must accept placeholders without validating.
     placeholder = jax.tree.unflatten(treedef, [object(), None])
     assert placeholder.dense_shape == (4, 3)
-    assert "IndexedSlices(<object>" in repr(placeholder)
+    assert repr(placeholder) == (
+        "IndexedSlices(values=<object>, indices=<NoneType>, dense_shape=(4, 3))"
+    )
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(s)]
     assert paths == [".values", ".indices"]
 
