@@ -22,9 +22,6 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import _checkpoint
 from . import sharding as sharding
-from ._conditionality import apply_if_finite as apply_if_finite
-from .accumulate import MultiSteps as MultiSteps
-from .accumulate import MultiStepsState as MultiStepsState
 from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
 from .embedding import check_ids as check_ids
@@ -47,6 +44,8 @@ from .slices import sparse_mask as sparse_mask
 from .slices import to_dense as to_dense
 from .transforms import AddDecayedWeightsState as AddDecayedWeightsState
 from .transforms import FtrlState as FtrlState
+from .transforms import MultiSteps as MultiSteps
+from .transforms import MultiStepsState as MultiStepsState
 from .transforms import ScaleByLazyAdamState as ScaleByLazyAdamState
 from .transforms import ScaleByRowwiseRssState as ScaleByRowwiseRssState
 from .transforms import ScaleByRssState as ScaleByRssState
@@ -54,6 +53,7 @@ from .transforms import ScaleByScheduleState as ScaleByScheduleState
 from .transforms import TraceState as TraceState
 from .transforms import adagrad as adagrad
 from .transforms import add_decayed_weights as add_decayed_weights
+from .transforms import apply_if_finite as apply_if_finite
 from .transforms import clip as clip
 from .transforms import clip_by_global_norm as clip_by_global_norm
 from .transforms import clip_by_row_norm as clip_by_row_norm

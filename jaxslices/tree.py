@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _jax_compat, slices
+from . import _jax_compat, _leaves, slices
 from .slices import IndexedSlices, _replace_values, check_slices
 
 __all__ = [
@@ -44,12 +44,11 @@ __all__ = [
 AxisName = Hashable | Sequence[Hashable]
 
 
-def _is_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, IndexedSlices)
+_is_leaf = _leaves.is_leaf
 
 
 def _where(name: str, path: Any) -> str:
-    return f"jaxslices.{name} (leaf {jax.tree_util.keystr(path) or '<root>'})"
+    return _leaves.label(f"jaxslices.{name}", path)
 
 
 def tree_add(*trees: Any) -> Any:
@@ -90,7 +89,7 @@ def tree_add(*trees: Any) -> Any:
         raise ValueError("jaxslices.tree_add: need at least one tree, got none.")
     first = trees[0]
     for i, t in enumerate(trees[1:], start=1):
-        slices._check_tree_match(
+        _leaves.check_structure(
             "jaxslices.tree_add", first, "trees[0]", t, f"trees[{i}]"
         )
 
@@ -305,8 +304,7 @@ def tree_pmean(tree: Any, axis_name: AxisName) -> Any:
     dense equivalent is the mean of the devices' dense equivalents.
 
     Args:
-      tree: a gradient tree (``None`` and ``IndexedSlices`` are leaves).
-      axis_name: the named axis (or tuple of axes) to average over.
+      tree, axis_name: as in :func:`tree_psum`.
 
     Returns:
       The averaged tree; slices leaves have ``n`` times as many slots.
