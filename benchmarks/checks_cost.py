@@ -13,7 +13,7 @@ in its own child process from the directory given to ``--trees``:
   ``MultiSteps`` step (V = 2**16, D = 32, 512 x 8 ids), on 8 CPU devices.
 
 Run: ``python benchmarks/checks_cost.py --trees /path/to/main . --labels main
-branch --repeats 3 --out benchmarks/results/checks_cost_cpu.json``.
+branch --repeats 3 --out benchmarks/results/<yyyy-mm>-cpu/checks_cost_cpu.json``.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ Methods:
 SGD: ``table.at[ids].add(-lr * rows)`` straight (raw), against coalescing first
 with the fastest methods, the table donated.
 
-Run: ``python benchmarks/coalesce_bench.py --out benchmarks/results``.
+Run: ``python benchmarks/coalesce_bench.py --out
+benchmarks/results/<yyyy-mm>-<backend>``.
 """
 
 from __future__ import annotations

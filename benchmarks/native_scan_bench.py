@@ -16,8 +16,9 @@ donated. Paths:
   ``jax.value_and_grad``, ``native.to_indexed_slices`` + ``jaxslices.sgd``.
 
 Run: ``python benchmarks/native_scan_bench.py --num-rows 65536 1048576
---seq-len 32 128 --out benchmarks/results``. Prints a markdown table (median
-ms per step, interleaved, compile seconds, compiled temp MB) and writes
+--seq-len 32 128 --out benchmarks/results/<yyyy-mm>-<backend>``. Prints a
+markdown table (median ms per step, interleaved, compile seconds, compiled
+temp MB) and writes
 ``native_scan_bench_<backend>.json``.
 """
 

@@ -19,14 +19,15 @@ device count ``n`` in 1, 2, 4, 8 (a mesh over the first ``n`` devices):
   benchmark's batches (reported), so no step overflows.
 
 Figures per configuration: bytes moved per device per step, summed over the
-compiled HLO's collectives (``tests/_hlo.py``: for each collective the larger
+compiled HLO's collectives (``tools/hlo.py``: for each collective the larger
 of its operands and results); per-device memory from XLA's
 ``memory_analysis()`` (arguments, i.e. the table or its shard, optimizer state
 and batch, plus temporaries); median step time and its ratio to one device.
 CPU "devices" share the machine's cores, so step times do not scale here: the
 bytes and the memory are the scaling figures.
 
-Run: ``python benchmarks/scale_bench.py --out benchmarks/results``. Sets
+Run: ``python benchmarks/scale_bench.py --out
+benchmarks/results/<yyyy-mm>-<backend>``. Sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` when XLA_FLAGS is unset.
 """
 
@@ -39,9 +40,8 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
-import _hlo  # noqa: E402  (the HLO collectives parser shared with the tests)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -51,6 +51,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxslices as js  # noqa: E402
+from tools import hlo  # noqa: E402  (the HLO parser shared with the tests)
 
 PATHS = ("dense_dp", "js_dp", "rows_masked", "rows_a2a")
 LR = 1e-3
@@ -148,10 +149,10 @@ class Runner:
             path, n, num_rows, dim, ids, y, capacity, seed
         )
         mem = self.step.memory_analysis()
-        found = _hlo.collectives(self.step)
+        found = hlo.collectives(self.step)
         self.figures = {
             "comm_bytes": sum(c.bytes for c in found),
-            "collectives": {k: sum(c.kind == k for c in found) for k in _hlo.KINDS},
+            "collectives": {k: sum(c.kind == k for c in found) for k in hlo.KINDS},
             "largest_collective_bytes": max((c.bytes for c in found), default=0),
             "argument_bytes": int(mem.argument_size_in_bytes),
             "temp_bytes": int(mem.temp_size_in_bytes),

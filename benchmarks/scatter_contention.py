@@ -6,7 +6,8 @@ same row became very slow on GPU in jaxlib 0.10.2. This measures, for Zipf ids
 ``table.at[ids].add(-lr * rows)`` done directly and after
 ``jaxslices.coalesce`` (one write per distinct row), with the table donated.
 
-Run: ``python benchmarks/scatter_contention.py --out benchmarks/results``
+Run: ``python benchmarks/scatter_contention.py --out
+benchmarks/results/<yyyy-mm>-<backend>``
 (``--num-rows``, ``--batch``, ``--dim``, ``--steps`` to change the workload).
 Prints a markdown table of medians and writes JSON.
 """

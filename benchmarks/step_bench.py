@@ -30,7 +30,8 @@ Paths, each one jitted step with params and optimizer state donated:
   ``jax.value_and_grad``, ``native.to_indexed_slices``, then the same
   jaxslices transforms and ``apply_updates`` as ``jaxslices``.
 
-Run: ``python benchmarks/step_bench.py --out benchmarks/results`` (defaults are
+Run: ``python benchmarks/step_bench.py --out
+benchmarks/results/<yyyy-mm>-<backend>`` (defaults are
 the issue's workload). Prints a markdown table with ratios measured pair by pair
 in the same run and the issue's targets, writes ``step_bench_<backend>.json``
 and a log-log plot of ms/step against V.

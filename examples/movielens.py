@@ -16,7 +16,7 @@ step only the batch's.
 
 Everything printed is also written to ``<out>/movielens.json`` (with the plot
 ``<out>/movielens.png``); ``docs/examples.md`` quotes the copy in
-``benchmarks/results/movielens/`` through ``benchmarks/render_docs.py``.
+``benchmarks/results/2026-11-cpu/`` through ``tools/render_docs.py``.
 
 Data: ``pip install --no-deps recbole==1.2.1`` (see ``examples/data.py``), or
 ``--data path/to/u.data``.

@@ -20,11 +20,8 @@ jaxslices`` imports neither Flax nor Equinox):
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import _checkpoint
+from . import _checkpoint, _moved, transforms
 from . import sharding as sharding
-from ._conditionality import apply_if_finite as apply_if_finite
-from .accumulate import MultiSteps as MultiSteps
-from .accumulate import MultiStepsState as MultiStepsState
 from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
 from .embedding import check_ids as check_ids
@@ -47,6 +44,8 @@ from .slices import sparse_mask as sparse_mask
 from .slices import to_dense as to_dense
 from .transforms import AddDecayedWeightsState as AddDecayedWeightsState
 from .transforms import FtrlState as FtrlState
+from .transforms import MultiSteps as MultiSteps
+from .transforms import MultiStepsState as MultiStepsState
 from .transforms import ScaleByLazyAdamState as ScaleByLazyAdamState
 from .transforms import ScaleByRowwiseRssState as ScaleByRowwiseRssState
 from .transforms import ScaleByRssState as ScaleByRssState
@@ -54,6 +53,7 @@ from .transforms import ScaleByScheduleState as ScaleByScheduleState
 from .transforms import TraceState as TraceState
 from .transforms import adagrad as adagrad
 from .transforms import add_decayed_weights as add_decayed_weights
+from .transforms import apply_if_finite as apply_if_finite
 from .transforms import clip as clip
 from .transforms import clip_by_global_norm as clip_by_global_norm
 from .transforms import clip_by_row_norm as clip_by_row_norm
@@ -78,6 +78,7 @@ from .tree import tree_scale as tree_scale
 from .updates import apply_updates as apply_updates
 
 _checkpoint.install_flax_serialization()  # Flax msgpack saves IndexedSlices
+_moved.install()  # old module paths (pickles of earlier layouts) keep loading
 
 
 def __getattr__(name: str):
@@ -97,8 +98,6 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "IndexedSlices",
-    "MultiSteps",
-    "MultiStepsState",
     "check_ids",
     "embedding_bag",
     "embedding_lookup",
@@ -120,35 +119,10 @@ __all__ = [
     "tree_psum",
     "tree_scale",
     "apply_updates",
-    "add_decayed_weights",
-    "adagrad",
-    "clip",
-    "clip_by_global_norm",
-    "clip_by_row_norm",
-    "densify",
-    "lazy_adam",
-    "lazy_adamw",
-    "scale",
-    "scale_by_lazy_adam",
-    "scale_by_learning_rate",
-    "scale_by_rss",
-    "scale_by_schedule",
-    "sgd",
-    "trace",
-    "apply_if_finite",
-    "ftrl",
-    "rowwise_adagrad",
-    "scale_by_rowwise_rss",
-    "FtrlState",
-    "ScaleByRowwiseRssState",
-    "AddDecayedWeightsState",
-    "ScaleByLazyAdamState",
-    "ScaleByRssState",
-    "ScaleByScheduleState",
-    "TraceState",
     "sharding",
     "shard_rows",
     "sharded_init",
     "sharded_lookup",
     "sharded_update",
 ]
+__all__ += transforms.__all__  # every transform, re-exported above

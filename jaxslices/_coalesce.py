@@ -1,13 +1,28 @@
-"""Coalescing: summing the rows of duplicate indices, by several methods.
+"""Pure-array kernels for duplicate ids: coalescing, run starts, last writes.
 
-Every method returns slices of the same static size ``N`` and the same dense
-equivalent whose valid indices are unique, every other slot being padding
-(index ``V = dense_shape[0]``, values zero) at the end, and records that in
-the result (``unique_indices``; ``indices_sorted`` when sorted), so coalescing
-it again is free. Rows are summed in at least float32 (floats) or in at least
-32-bit integers (integers and booleans, never through a float): see
-:func:`sum_dtype`. Every method gives the
-same bits on every run, on every backend.
+A leaf of the package: it imports JAX only and knows nothing of
+:class:`~jaxslices.IndexedSlices`. :func:`jaxslices.coalesce` (in
+:mod:`jaxslices.slices`), the scatters, the transforms and
+:mod:`jaxslices.sharding` call it on arrays: ids already mapped by the ids
+policy (every invalid id is ``V``, :func:`jaxslices._ids.safe_ids`) and their
+rows.
+
+* :func:`coalesce_rows`: sum the rows of duplicate ids by one of several
+  methods (below).
+* :func:`sort_pairs`, :func:`run_starts`, :func:`run_ends`: the sort of
+  (id, position) pairs and the ends of runs of equal ids that every
+  duplicate-finding step is built from; :func:`last_writes` (the last
+  occurrence of each id wins: ``scatter_update``) and
+  :func:`unique_with_inverse` (sorted distinct ids and where each id went:
+  the ``all_to_all`` routing) are written with them.
+
+Every coalescing method returns ``N`` rows whose valid ids are unique, every
+other slot being padding (id ``V``, values zero) at the end; the caller
+records that in the slices it builds (``unique_indices``; ``indices_sorted``
+when sorted), so coalescing them again is free. Rows are summed in at least
+float32 (floats) or in at least 32-bit integers (integers and booleans, never
+through a float): see :func:`sum_dtype`. Every method gives the same bits on
+every run, on every platform.
 
 Methods (``benchmarks/coalesce_bench.py`` measures them; results and the
 reasons for the defaults in ``benchmarks/RESULTS.md``):
@@ -18,7 +33,7 @@ reasons for the defaults in ``benchmarks/RESULTS.md``):
   run in a fixed order). On GPU: a stable sort of (id, slot) pairs and a
   fixed-tree segmented scan, because GPU scatter-adds use atomics whose order
   changes from run to run.
-* ``"pair_sort"``: the GPU algorithm on every backend.
+* ``"pair_sort"``: the GPU algorithm on every platform.
 * ``"hash"``: O(N) deduplication without sorting: each round, every
   unresolved slot writes its position into the cell ``hash_r(id)`` of a
   ``4N``-cell buffer with a scatter-*min* (order independent), and reads the
@@ -27,7 +42,7 @@ reasons for the defaults in ``benchmarks/RESULTS.md``):
   come out in order of first appearance, not sorted. Summation is a
   scatter-add, so on GPU this method runs ``"sort"`` instead.
 * ``"auto"`` (the default of the transforms): the fastest measured method per
-  backend, sorted or not: ``"hash"`` on CPU (about 2x faster than ``"sort"``
+  platform, sorted or not: ``"hash"`` on CPU (about 2x faster than ``"sort"``
   there), ``"sort"`` on GPU (nothing measured faster by enough to matter) and
   on TPU (not measured).
 """
@@ -40,13 +55,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import slices
-from .slices import IndexedSlices, check_slices
-
-__all__ = ["METHODS", "coalesce"]
+__all__ = [
+    "METHODS",
+    "check_method",
+    "coalesce_rows",
+    "last_writes",
+    "rows_where",
+    "run_ends",
+    "run_starts",
+    "sort_pairs",
+    "sum_dtype",
+    "unique_with_inverse",
+]
 
 METHODS = ("auto", "sort", "pair_sort", "hash")
-_UNSORTED_OK = ("auto", "hash")  # methods that do not promise sorted indices
+UNSORTED_OK = ("auto", "hash")  # methods that do not promise sorted indices
 
 
 def check_method(method: str, where: str) -> str:
@@ -75,44 +98,130 @@ def sum_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.int32)
 
 
-def coalesce(s: IndexedSlices, method: str = "sort") -> IndexedSlices:
-    """Implementation of :func:`jaxslices.coalesce` (see the module docstring)."""
-    check_slices(s, "coalesce")
-    check_method(method, "jaxslices.coalesce")
-    if s.unique_indices and (s.indices_sorted or method in _UNSORTED_OK):
-        return s  # coalesced already: free
-    n, v = s.num_slices, s.dense_shape[0]
-    if n == 0:
-        return s
-    idx = slices.safe_indices(s)
-    values = s.values.astype(sum_dtype(s.dtype))
+def rows_where(mask: jax.Array, ndim: int) -> jax.Array:
+    """``mask [N]`` reshaped to broadcast over rows of rank ``ndim`` (``[N, 1...]``)."""
+    return mask.reshape(mask.shape + (1,) * (ndim - 1))
+
+
+def coalesce_rows(
+    values: jax.Array, idx: jax.Array, num_rows: int, method: str
+) -> tuple[jax.Array, jax.Array]:
+    """Sum the rows of duplicate ids: ``(summed values, unique ids)``, ``N`` each.
+
+    Args:
+      values: ``[N, ...]`` rows.
+      idx: ``[N]`` safe ids (every invalid one is ``num_rows``).
+      num_rows: ``V``, the padding id.
+      method: one of :data:`METHODS` (module docstring).
+
+    Returns:
+      The distinct valid ids first (sorted unless ``method`` is in
+      ``UNSORTED_OK``) with their summed rows, in ``values``' dtype (summed in
+      :func:`sum_dtype`), then padding: id ``num_rows``, values zero.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxslices import _coalesce
+      >>> _coalesce.coalesce_rows(jnp.array([1., 2., 3.]), jnp.array([4, 1, 4]),
+      ...                         5, "sort")
+      (Array([2., 4., 0.], dtype=float32), Array([1, 4, 5], dtype=int32))
+    """
+    v = num_rows
+    summing = values.astype(sum_dtype(values.dtype))
     gpu = {"cuda": _by_pair_sort, "rocm": _by_pair_sort}
     if method == "pair_sort":
-        summed, unique_idx = _by_pair_sort(values, idx)
+        summed, unique_idx = _by_pair_sort(summing, idx)
     elif method == "sort":
         summed, unique_idx = jax.lax.platform_dependent(
-            values, idx, **gpu, default=_by_id_sort
+            summing, idx, **gpu, default=_by_id_sort
         )
     elif method == "hash":
         summed, unique_idx = jax.lax.platform_dependent(
-            values, idx, **gpu, default=functools.partial(_by_hash, num_rows=v)
+            summing, idx, **gpu, default=functools.partial(_by_hash, num_rows=v)
         )
     else:  # auto
         summed, unique_idx = jax.lax.platform_dependent(
-            values,
+            summing,
             idx,
             **gpu,
             cpu=functools.partial(_by_hash, num_rows=v),
             default=_by_id_sort,
         )
-    unique_idx = jnp.minimum(unique_idx, v).astype(s.indices.dtype)
+    unique_idx = jnp.minimum(unique_idx, v).astype(idx.dtype)
     # Padding slots (index V) may hold the sum of padding/invalid rows: zero.
-    pad = slices._expand(unique_idx == v, summed.ndim)
+    pad = rows_where(unique_idx == v, summed.ndim)
     summed = jnp.where(pad, jnp.zeros((), summed.dtype), summed)
-    out = IndexedSlices(summed.astype(s.dtype), unique_idx, s.dense_shape)
-    return slices._with_flags(
-        out, unique_indices=True, indices_sorted=method not in _UNSORTED_OK
+    return summed.astype(values.dtype), unique_idx
+
+
+# --------------------------------------------------- runs of duplicate ids
+
+
+def sort_pairs(idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Stable sort of (id, position): ``(sorted ids, permutation)``.
+
+    Equal ids keep their order of appearance, so the last of a run is the
+    last occurrence.
+    """
+    iota = jnp.arange(idx.shape[0], dtype=jnp.int32)
+    return jax.lax.sort((idx, iota), num_keys=1, is_stable=True)
+
+
+def run_starts(sorted_keys: jax.Array) -> jax.Array:
+    """``True`` at the first element of each run of equal (sorted) keys."""
+    head = jnp.ones((1,), bool)
+    return jnp.concatenate([head, sorted_keys[1:] != sorted_keys[:-1]])
+
+
+def run_ends(sorted_keys: jax.Array) -> jax.Array:
+    """``True`` at the last element of each run of equal (sorted) keys."""
+    tail = jnp.ones((1,), bool)
+    return jnp.concatenate([sorted_keys[1:] != sorted_keys[:-1], tail])
+
+
+def _segments(sorted_keys: jax.Array) -> jax.Array:
+    """The run number (0, 1, ...) of each element of sorted keys."""
+    return jnp.cumsum(run_starts(sorted_keys).astype(jnp.int32)) - 1
+
+
+def last_writes(idx: jax.Array, pad: int) -> tuple[jax.Array, jax.Array]:
+    """Where each (permuted) row goes when the last occurrence of an id wins.
+
+    Returns ``(target, perm)``: scattering ``rows[perm]`` to ``target`` with
+    ``mode="drop"`` writes each id's last row once; every other slot's target
+    is ``pad`` (out of bounds: dropped). Deterministic on every platform.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxslices import _coalesce
+      >>> target, perm = _coalesce.last_writes(jnp.array([2, 0, 2]), pad=3)
+      >>> target, perm
+      (Array([0, 3, 2], dtype=int32), Array([1, 0, 2], dtype=int32))
+    """
+    sorted_idx, perm = sort_pairs(idx)
+    target = jnp.where(
+        run_ends(sorted_idx), sorted_idx, jnp.asarray(pad, sorted_idx.dtype)
     )
+    return target, perm
+
+
+def unique_with_inverse(ids: jax.Array, sentinel: int) -> tuple[jax.Array, jax.Array]:
+    """Sorted distinct ids (``sentinel``-padded, static size) and each id's slot.
+
+    ``uniq[inverse[k]] == ids[k]`` for every ``k``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxslices import _coalesce
+      >>> _coalesce.unique_with_inverse(jnp.array([5, 2, 5]), sentinel=9)
+      (Array([2, 5, 9], dtype=int32), Array([1, 0, 1], dtype=int32))
+    """
+    n = ids.shape[0]
+    key, perm = sort_pairs(ids)
+    seg = _segments(key)
+    uniq = jnp.full((n,), sentinel, ids.dtype).at[seg].set(key)
+    inverse = jnp.zeros((n,), jnp.int32).at[perm].set(seg)
+    return uniq, inverse
 
 
 # ------------------------------------------------------------ the algorithms
@@ -129,8 +238,7 @@ def _by_id_sort(values: jax.Array, idx: jax.Array):
     """
     n = idx.shape[0]
     sorted_idx = jnp.sort(idx)
-    is_new = jnp.concatenate([jnp.ones((1,), bool), sorted_idx[1:] != sorted_idx[:-1]])
-    segment_of_sorted = jnp.cumsum(is_new.astype(jnp.int32)) - 1
+    segment_of_sorted = _segments(sorted_idx)
     first = jnp.searchsorted(sorted_idx, idx, side="left", method="scan")
     summed = _segment_sum_by_scatter(values, segment_of_sorted[first], n)
     return summed, _unique_ids(sorted_idx, segment_of_sorted, n)
@@ -139,10 +247,8 @@ def _by_id_sort(values: jax.Array, idx: jax.Array):
 def _by_pair_sort(values: jax.Array, idx: jax.Array):
     """Stable sort of (id, position), then a fixed-tree segmented scan."""
     n = idx.shape[0]
-    iota = jnp.arange(n, dtype=jnp.int32)
-    sorted_idx, perm = jax.lax.sort((idx, iota), num_keys=1, is_stable=True)
-    is_new = jnp.concatenate([jnp.ones((1,), bool), sorted_idx[1:] != sorted_idx[:-1]])
-    segment = jnp.cumsum(is_new.astype(jnp.int32)) - 1
+    sorted_idx, perm = sort_pairs(idx)
+    segment = _segments(sorted_idx)
     summed = _segment_sum_by_scan(values[perm], segment, n)
     return summed, _unique_ids(sorted_idx, segment, n)
 
@@ -208,13 +314,12 @@ def _segment_sum_by_scan(values: jax.Array, segment: jax.Array, n: int):
     last element of each segment then holds its total, which is written to the
     segment's own slot (no two writes collide).
     """
-    starts = jnp.concatenate([jnp.ones((1,), bool), segment[1:] != segment[:-1]])
-    ends = jnp.concatenate([segment[1:] != segment[:-1], jnp.ones((1,), bool)])
+    starts, ends = run_starts(segment), run_ends(segment)
 
     def combine(a, b):
         (start_a, sum_a), (start_b, sum_b) = a, b
         return start_a | start_b, jnp.where(
-            slices._expand(start_b, sum_b.ndim), sum_b, sum_a + sum_b
+            rows_where(start_b, sum_b.ndim), sum_b, sum_a + sum_b
         )
 
     _, running = jax.lax.associative_scan(combine, (starts, values))

@@ -7,7 +7,7 @@ trace time (an id out of range, a buffer over capacity). Equinox's
 from it runs before the check has passed.
 
 How, and why this way (measured on 8 CPU devices and on 2 processes x 4
-devices; ``tests/test_errors.py``):
+devices; ``tests/scale/test_errors.py``):
 
 * **Eagerly** (concrete values), the error is raised at the call.
 * **Under** ``jit`` the check is a ``jax.pure_callback`` inside a

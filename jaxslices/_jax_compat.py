@@ -8,8 +8,8 @@ public JAX only. The names that are private to JAX (``jax._src``, attributes of
 JAX's internal objects) or that moved between releases are reached through
 this module alone, one *entry* each. An entry is
 
-* resolved once, at import, without starting a JAX backend (so that
-  ``jax.distributed.initialize`` can still run after ``import jaxslices``);
+* resolved once, at import, without starting JAX's platform runtime (so
+  that ``jax.distributed.initialize`` can still run after ``import jaxslices``);
 * switched by its flag in :data:`AVAILABLE` (``False`` where the names are
   missing), which every function below reads at call time. That flag is the
   one switch tests use to take an entry away
@@ -21,7 +21,7 @@ this module alone, one *entry* each. An entry is
 
 The one version parse of the package is :data:`JAX_VERSION`
 (:func:`parse_version`); the version gates below and the opt-in native backend's
-gate (``jaxslices/_hijax.py``, which keeps its experimental hijax names there,
+gate (``jaxslices/native/_hijax.py``, which keeps its experimental hijax names there,
 as the separate opt-in unit) read it. On a JAX newer than the newest tested
 line, the default path keeps working on the entries' structural checks; the
 two version-gated entries take their conservative side (the key-array
@@ -233,7 +233,7 @@ ENTRIES: tuple[Entry, ...] = (
         "an `IndexedSlices` works",
         "0.10.2, 0.12.0.1",
         "none that restores: Orbax saves typed indices and cannot restore "
-        "them (`tests/test_checkpoint.py` fails); Flax msgpack and pickle do "
+        "them (`tests/lib/test_checkpoint.py` fails); Flax msgpack and pickle do "
         "not use it",
         "Orbax checkpoints of trees holding `IndexedSlices` (`MultiSteps` states)",
     ),

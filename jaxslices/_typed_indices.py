@@ -45,8 +45,7 @@ import numpy as np
 from jax.extend.random import define_prng_impl
 
 from . import _jax_compat
-
-INT32_MAX = int(np.iinfo(np.int32).max)
+from ._ids import needs_int64  # the index dtype rule (one home)
 
 #: Printed by JAX as ``key<TAG>`` in every dtype error on the indices leaf.
 TAG = (
@@ -110,16 +109,6 @@ def is_typed(x: Any) -> bool:
     if dtype is None or not jnp.issubdtype(dtype, jax.dtypes.extended):
         return False
     return dtype == DTYPE32 or dtype == DTYPE64
-
-
-def x64_enabled() -> bool:
-    """Whether JAX has 64-bit integers now (``jax_enable_x64``)."""
-    return jax.dtypes.canonicalize_dtype(jnp.int64) == jnp.int64
-
-
-def needs_int64(num_rows: int) -> bool:
-    """Whether the padding index ``num_rows`` needs int64 ids (> ``2**31 - 1``)."""
-    return num_rows > INT32_MAX
 
 
 def wrap(indices: Any, num_rows: int) -> Any:
@@ -280,8 +269,8 @@ def _raising(name: str, original: Any) -> Any:
 def _with_messages(typed: Any) -> Any:
     """Install the messages on the class of the first concrete typed array.
 
-    Done lazily, not at import: making a concrete array starts JAX's backend,
-    and ``jax.distributed.initialize`` must be able to run after
+    Done lazily, not at import: making a concrete array starts JAX's platform
+    runtime, and ``jax.distributed.initialize`` must be able to run after
     ``import jaxslices``. Tracers are skipped (their class is not the eager one).
     """
     global MESSAGES_INSTALLED

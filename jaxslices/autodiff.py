@@ -174,11 +174,23 @@ def grad(
       >>> jaxslices.grad(loss)(jnp.ones((5, 2)), jnp.array([4, 4])).to_dense()[4]
       Array([4., 4.], dtype=float32)
     """
-    vg = value_and_grad(fun, argnums, has_aux)
+    return grad_from_value_and_grad(value_and_grad(fun, argnums, has_aux), fun, has_aux)
+
+
+def grad_from_value_and_grad(
+    vg: Callable[..., Any], fun: Callable[..., Any], has_aux: bool
+) -> Callable[..., Any]:
+    """The ``grad`` of a ``value_and_grad``: returns ``grads`` or ``(grads, aux)``.
+
+    The one way every ``grad`` of jaxslices is made (:func:`grad`,
+    ``jaxslices.nnx.grad``, ``jaxslices.equinox.filter_grad``), as JAX makes
+    ``jax.grad`` from ``jax.value_and_grad``; ``fun`` gives the name and
+    docstring (``functools.wraps``).
+    """
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        (out, g) = vg(*args, **kwargs)
+        out, g = vg(*args, **kwargs)
         return (g, out[1]) if has_aux else g
 
     return wrapped

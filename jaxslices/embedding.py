@@ -1,12 +1,13 @@
 """Embedding lookups whose gradient ``jaxslices.value_and_grad`` makes sparse.
 
-Ids policy (forward and backward agree): an id outside ``[0, V)`` (negative or
-``>= V``, with ``V = table.shape[0]``) reads a row of zeros and receives no
-gradient; in a sparse gradient its slot is padding (index ``V``). JAX's own
-``table[ids]`` would instead clamp out-of-range ids to the last row and wrap
-negative ones from the end, reading (and training) rows nobody asked for. Ids
-of any integer dtype are range-checked in their own dtype before being cast to
-the index dtype (``int32``, ``int64`` for tables of ``2**31`` rows or more).
+Ids policy (forward and backward agree; written once, in
+:mod:`jaxslices._ids`): an id outside ``[0, V)`` (negative or ``>= V``, with
+``V = table.shape[0]``) reads a row of zeros and receives no gradient; in a
+sparse gradient its slot is padding (index ``V``). JAX's own ``table[ids]``
+would instead clamp out-of-range ids to the last row and wrap negative ones
+from the end, reading (and training) rows nobody asked for. Ids of any integer
+dtype are range-checked in their own dtype before being cast to the index
+dtype (``int32``, ``int64`` for tables of ``2**31`` rows or more).
 
 Pass ``check_ids=True`` (or call :func:`check_ids`) to raise an error instead.
 The message names the function you called and gives how many of your ids are
@@ -21,57 +22,30 @@ out of range and their min and max (your ids as passed: for
   ``RuntimeError``) with the message, on every process, when the result is
   computed: catch it around the jitted call and ``jax.block_until_ready`` of
   its result.
+
+Lookups consult the lookup handlers (:mod:`jaxslices._lookup_handlers`) first:
+a table type of the opt-in native backend is looked up by its own handler.
+Plain arrays go to the tap backend of :func:`jaxslices.value_and_grad`
+(:mod:`jaxslices._tape`), or, outside it, to a lookup with JAX's dense
+gradient.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.typing import ArrayLike
 
-from . import _backend, _errors, _tape
+from . import _ids, _lookup_handlers, _tape
+from ._ids import check_ids
 
 __all__ = ["embedding_lookup", "embedding_bag", "check_ids"]
 
 
-def _index_dtype(num_rows: int) -> Any:
-    """The dtype of ids inside jaxslices: int32 unless the table needs int64."""
-    return jnp.int32 if num_rows < np.iinfo(np.int32).max else jnp.int64
-
-
-def _valid(ids: Any, num_rows: int) -> Any:
-    """``0 <= ids < num_rows``, computed in the ids' own dtype (no narrowing)."""
-    xp = np if isinstance(ids, np.ndarray) else jnp
-    info = np.iinfo(ids.dtype)
-    valid = ids >= 0 if info.min < 0 else xp.ones(ids.shape, bool)
-    if num_rows <= info.max:  # else every non-negative id of this dtype is valid
-        valid = valid & (ids < num_rows)
-    return valid
-
-
-def _safe_ids(ids: Any, num_rows: int) -> jax.Array:
-    """Ids in the index dtype with every invalid id (range-checked first) set to V.
-
-    NumPy ids are mapped in NumPy, before JAX's conversion could narrow them
-    (without ``jax_enable_x64``, ``jnp.asarray`` wraps int64 ``2**32 + 1`` to 1).
-    """
-    if isinstance(ids, np.ndarray):
-        return jnp.asarray(
-            np.where(_valid(ids, num_rows), ids, num_rows).astype(
-                _index_dtype(num_rows)
-            )
-        )
-    return jnp.where(
-        _valid(ids, num_rows), ids.astype(_index_dtype(num_rows)), num_rows
-    )
-
-
 def _gather(table: jax.Array, safe_ids: jax.Array) -> jax.Array:
-    """``table[ids]`` for ids from :func:`_safe_ids`: padding (V) reads zeros."""
+    """``table[ids]`` for safe ids (:func:`jaxslices._ids.safe_ids`): V reads 0."""
     return table.at[safe_ids].get(mode="fill", fill_value=0)
 
 
@@ -99,128 +73,17 @@ def _lookup_bwd(res, ct):
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
-def _bad_ids_message(where: str, num_rows: int, n_bad: int, lo: int, hi: int) -> str:
-    return (
-        f"{where}: ids must be in [0, {num_rows}) for a table with {num_rows} rows; "
-        f"{n_bad} {'id is' if n_bad == 1 else 'ids are'} out of range (the ids "
-        f"checked have min {lo} and max {hi}). Out-of-range ids would read zeros "
-        "and get no gradient; fix the ids, or pass check_ids=False to treat them "
-        "as padding."
-    )
-
-
-def _bad_ids_error(n_bad: int, lo: int, hi: int, *, num_rows: int, where: str):
-    return ValueError(_bad_ids_message(where, num_rows, n_bad, lo, hi))
-
-
-def _has_tracer(x: Any) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
-
-
-def _check_ids(
-    ids: Any, num_rows: int, where: str, counted: Any = None, like: Any = ()
-) -> Any:
-    """Check ``ids`` (the caller's own, before any remapping or narrowing).
-
-    ``counted`` (bool, like ``ids``) excludes slots from the check (padding).
-    Concrete ids are checked at once (``ValueError``); traced ids by
-    :func:`jaxslices._errors.raise_if`, which JAX re-raises as
-    ``jax.errors.JaxRuntimeError``, on every device of a mesh. Returns ``ids``;
-    under ``jit`` what is computed from the result waits for the check.
-    """
-    if ids.size == 0:
-        return ids
-    if not isinstance(ids, jax.core.Tracer) and not _has_tracer(counted):
-        given, ids = ids, np.asarray(ids)
-        counted = np.ones(ids.shape, bool) if counted is None else np.asarray(counted)
-        bad = counted & ~_valid(ids, num_rows)
-        if bad.any():
-            checked = ids[counted]
-            raise ValueError(
-                _bad_ids_message(
-                    where,
-                    num_rows,
-                    int(bad.sum()),
-                    int(checked.min()),
-                    int(checked.max()),
-                )
-            )
-        return given
-    ids = jnp.asarray(ids)
-    counted = jnp.ones(ids.shape, bool) if counted is None else jnp.asarray(counted)
-    info = jnp.iinfo(ids.dtype)
-    bad = counted & ~_valid(ids, num_rows)
-    lo = jnp.min(jnp.where(counted, ids, jnp.array(info.max, ids.dtype)))
-    hi = jnp.max(jnp.where(counted, ids, jnp.array(info.min, ids.dtype)))
-    return _errors.raise_if(
-        bad,
-        ids,
-        functools.partial(_bad_ids_error, num_rows=num_rows, where=where),
-        jnp.sum(bad.astype(jnp.int32)),
-        lo,
-        hi,
-        reduce=("sum", "min", "max"),
-        like=(ids, *like),
-    )
-
-
-def check_ids(ids: ArrayLike, num_rows: int) -> Any:
-    """Raise an error if an id is outside ``[0, num_rows)``, also under ``jit``.
-
-    The message gives the ids' min and max and how many are out of range,
-    computed on the ids as given (before any narrowing to the index dtype).
-    Concrete ids (NumPy, lists, JAX arrays outside ``jit``) raise ``ValueError``
-    at once. Traced ids (under ``jax.jit``) are checked when the step runs, and
-    JAX raises ``jax.errors.JaxRuntimeError`` (a ``RuntimeError``) carrying this
-    message: catch that type around the jitted call (and
-    ``jax.block_until_ready`` its result). Over a device mesh (ids sharded by
-    ``jit``, or inside ``shard_map``) every device checks the ids of all and
-    every process raises; no collective is left waiting.
-
-    Returns the ids (NumPy or JAX, as given). Under ``jit``, look up with the
-    result, ``ids = jaxslices.check_ids(ids, V)``: what is computed from it
-    (the lookup, and the collectives after it) then waits for the check. An
-    unused result is still checked, without that ordering.
-
-    Example:
-      >>> import jax.numpy as jnp, jaxslices
-      >>> jaxslices.check_ids(jnp.array([0, 4]), num_rows=5)  # fine
-      Array([0, 4], dtype=int32)
-      >>> jaxslices.check_ids([0, 7, -1], num_rows=5)
-      Traceback (most recent call last):
-      ...
-      ValueError: check_ids: ids must be in [0, 5) for a table with 5 rows; 2 ids ...
-    """
-    return _check_ids(_as_ids(ids, "check_ids"), num_rows, "check_ids")
-
-
-def _as_ids(ids: Any, where: str) -> Any:
-    """Integer ids as a JAX array, or (concrete inputs) a NumPy array.
-
-    NumPy arrays, lists and NumPy scalars stay in NumPy so that the range
-    check happens before JAX's conversion could narrow them.
-    """
-    if not isinstance(ids, jax.Array):
-        ids = jnp.asarray(ids) if _has_tracer(ids) else np.asarray(ids)
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise TypeError(
-            f"{where}: `ids` must be integers, got {jnp.dtype(ids.dtype).name}"
-            f"{list(ids.shape)}. Cast them, e.g. `ids.astype(jnp.int32)`."
-        )
-    return ids
-
-
 def _prepare(table: Any, ids: Any, where: str) -> tuple[Any, Any, int, Any]:
     """Validate the arguments: ``(table, ids, num_rows, handler)``.
 
-    BACKEND HOOK: a lookup handler registered in :mod:`jaxslices._backend`
+    LOOKUP HANDLERS: a handler registered in :mod:`jaxslices._lookup_handlers`
     (e.g. the opt-in native backend's table type) may claim ``table``; its
     ``lookup`` then replaces the default path in :func:`_lookup_rows`. This
-    is the one place where lookups consult another backend.
+    is the one place where lookups consult the handlers.
     """
-    handler = _backend.handler_for(table)
+    handler = _lookup_handlers.handler_for(table)
     if handler is not None:
-        return table, _as_ids(ids, where), int(handler.num_rows(table)), handler
+        return table, _ids.as_ids(ids, where), int(handler.num_rows(table)), handler
     if not isinstance(table, jax.Array):  # NumPy arrays, lists
         table = jnp.asarray(table)
     if table.ndim < 1:
@@ -228,7 +91,7 @@ def _prepare(table: Any, ids: Any, where: str) -> tuple[Any, Any, int, Any]:
             f"{where}: `table` must have at least one dimension (rows), got a "
             f"scalar of shape {tuple(table.shape)}."
         )
-    return table, _as_ids(ids, where), table.shape[0], None
+    return table, _ids.as_ids(ids, where), table.shape[0], None
 
 
 def embedding_lookup(
@@ -263,16 +126,16 @@ def embedding_lookup(
     """
     table, ids, num_rows, handler = _prepare(table, ids, "embedding_lookup")
     if check_ids:
-        ids = _check_ids(
+        ids = _ids.check(
             ids, num_rows, "embedding_lookup(check_ids=True)", like=(table,)
         )
-    return _lookup_rows(table, _safe_ids(ids, num_rows), dtype, handler)
+    return _lookup_rows(table, _ids.safe_ids(ids, num_rows), dtype, handler)
 
 
 def _lookup_rows(table: Any, safe_ids: jax.Array, dtype: Any, handler: Any) -> Any:
-    """The lookup proper, on ids from :func:`_safe_ids`.
+    """The lookup proper, on ids from :func:`jaxslices._ids.safe_ids`.
 
-    A claimed table goes to its backend's handler; an array to the tap backend
+    A claimed table goes to its handler; an array to the tap backend
     (active under ``value_and_grad``, else ``None``), then the plain lookup.
     """
     if handler is not None:
@@ -350,14 +213,14 @@ def embedding_bag(
     else:  # no padding, or a padding id that no id of this dtype can equal
         present = None
     if check_ids:
-        ids = _check_ids(
+        ids = _ids.check(
             ids,
             num_rows,
             "embedding_bag(check_ids=True)",
             counted=present,
             like=(table,),
         )
-    safe = _safe_ids(ids, num_rows)
+    safe = _ids.safe_ids(ids, num_rows)
     if present is None:
         present = jnp.ones(ids.shape, bool)
     else:

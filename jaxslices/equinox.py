@@ -36,8 +36,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import autodiff, updates
-from ._layers import integer_ids, wrap_negative
+from . import _leaves, autodiff, updates
+from ._ids import integer_ids, wrap_negative
 from .embedding import embedding_lookup
 from .slices import IndexedSlices
 
@@ -135,17 +135,7 @@ def filter_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable:
       Array([4], dtype=int32)
     """
     vg = filter_value_and_grad(fun, has_aux=has_aux)
-
-    @functools.wraps(fun)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        out, g = vg(*args, **kwargs)
-        return (g, out[1]) if has_aux else g
-
-    return wrapper
-
-
-def _is_update_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, IndexedSlices)
+    return autodiff.grad_from_value_and_grad(vg, fun, has_aux)
 
 
 def _apply_one(u: Any, p: Any) -> Any:
@@ -183,4 +173,4 @@ def apply_updates(model: Any, updates: Any) -> Any:
              [-1., -1.],
              [ 0.,  0.]], dtype=float32)
     """
-    return jax.tree.map(_apply_one, updates, model, is_leaf=_is_update_leaf)
+    return jax.tree.map(_apply_one, updates, model, is_leaf=_leaves.is_leaf)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from ._layers import integer_ids, wrap_negative
+from ._ids import integer_ids, wrap_negative
 from .embedding import embedding_lookup
 
 __all__ = ["Embed"]

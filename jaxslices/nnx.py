@@ -41,7 +41,7 @@ from flax import nnx
 from flax.nnx import filterlib, graphlib
 
 from . import autodiff
-from ._layers import integer_ids, wrap_negative
+from ._ids import integer_ids, wrap_negative
 from .embedding import embedding_lookup
 
 __all__ = ["Embed", "value_and_grad", "grad"]
@@ -284,10 +284,4 @@ def grad(
       Array([2., 2.], dtype=float32)
     """
     vg = value_and_grad(f, argnums, has_aux=has_aux)
-
-    @functools.wraps(f)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        out, g = vg(*args, **kwargs)
-        return (g, out[1]) if has_aux else g
-
-    return wrapper
+    return autodiff.grad_from_value_and_grad(vg, f, has_aux)

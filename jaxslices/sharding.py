@@ -44,13 +44,13 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _errors, _layout, _tape
+from . import _coalesce, _errors, _ids, _layout, _tape
 from . import updates as updates_
 from ._jax_compat import abstract_mesh as _abstract_mesh
 from ._jax_compat import all_gather_invariant as _all_gather_invariant
 from ._jax_compat import shard_map as _shard_map
 from ._layout import replicate_rows
-from .embedding import _safe_ids, embedding_lookup
+from .embedding import embedding_lookup
 from .slices import IndexedSlices, coalesce, is_indexed_slices
 
 __all__ = [
@@ -201,8 +201,7 @@ def _bucket(ids: jax.Array, rows_per_shard: int, shards: int, capacity: int, whe
     every buffer sent is built from the checked ``slot``
     (:func:`jaxslices._errors.raise_if`).
     """
-    total = rows_per_shard * shards
-    valid = (ids >= 0) & (ids < total)
+    valid = _ids.valid(ids, rows_per_shard * shards)
     shard = jnp.where(valid, ids // rows_per_shard, shards).astype(jnp.int32)
     start = jnp.searchsorted(shard, jnp.arange(shards, dtype=jnp.int32), side="left")
     pos = jnp.arange(ids.shape[0], dtype=jnp.int32)
@@ -229,18 +228,6 @@ def _send(x: jax.Array, shard, slot, ok, shards: int, capacity: int, fill):
 def _exchange(x: jax.Array, axis: str) -> jax.Array:
     """Buffer ``[shards, capacity, ...]``: slot block ``i`` goes to shard ``i``."""
     return jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
-
-
-def _unique(flat: jax.Array, sentinel: int):
-    """Sorted unique ids (``sentinel``-padded, static size) and each id's slot."""
-    n = flat.shape[0]
-    iota = jnp.arange(n, dtype=jnp.int32)
-    key, perm = jax.lax.sort((flat, iota), num_keys=1)
-    new = jnp.concatenate([jnp.ones((1,), bool), key[1:] != key[:-1]])
-    seg = jnp.cumsum(new.astype(jnp.int32)) - 1
-    uniq = jnp.full((n,), sentinel, flat.dtype).at[seg].set(key)
-    inv = jnp.zeros((n,), jnp.int32).at[perm].set(seg)
-    return uniq, inv
 
 
 def _all_axes(mesh: Any) -> tuple[str, ...]:
@@ -285,8 +272,7 @@ def _routed_gather(table, ids, *, mesh, axis, shards, rows, capacity):
     def local(shard_rows_, ids_):
         flat = ids_.reshape(-1)
         total = rows * shards
-        flat = jnp.where((flat >= 0) & (flat < total), flat, total)
-        uniq, inv = _unique(flat, total)
+        uniq, inv = _coalesce.unique_with_inverse(_ids.safe_ids(flat, total), total)
         dest, slot, ok = _bucket(uniq, rows, shards, cap, "sharded_lookup")
         offset = jnp.where(ok, uniq - dest * rows, rows)
         want = _exchange(_send(offset, dest, slot, ok, shards, cap, rows), axis)
@@ -359,7 +345,7 @@ def sharded_lookup(
         rows=rows,
         capacity=capacity,
     )
-    safe = _safe_ids(ids, table.shape[0])  # the ids policy: invalid ids -> V
+    safe = _ids.safe_ids(ids, table.shape[0])  # the ids policy: invalid ids -> V
     out = _tape.lookup(table, safe, gather)  # sparse under value_and_grad
     return gather(table, safe) if out is None else out
 

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _layout, _typed_indices
+from . import _coalesce, _ids, _layout, _typed_indices
 
 __all__ = [
     "IndexedSlices",
@@ -111,28 +111,6 @@ def _check_integer_indices(indices: Any, where: str) -> None:
         raise TypeError(
             f"{where}: `indices` must have an integer dtype, got "
             f"{name}{list(indices.shape)}. {_CORRUPTED_INDICES_HINT}"
-        )
-
-
-def _check_index_width(dtype: Any, num_rows: int) -> None:
-    """The ids' dtype, and JAX, can hold the padding index ``num_rows``."""
-    wide = _typed_indices.needs_int64(num_rows)
-    if num_rows > jnp.iinfo(dtype).max:
-        wider = (
-            "int64 (with jax.config.update('jax_enable_x64', True))"
-            if wide
-            else "int32"
-        )
-        raise ValueError(
-            f"IndexedSlices: indices of dtype {dtype.name} cannot hold the padding "
-            f"index dense_shape[0] = {num_rows}; use {wider} indices."
-        )
-    if wide and not _typed_indices.x64_enabled():
-        raise ValueError(
-            f"IndexedSlices: a dense shape with {num_rows} rows (more than "
-            "2**31 - 1) needs int64 row ids, which JAX has only with "
-            "jax.config.update('jax_enable_x64', True) (set it at start-up), got "
-            f"{dtype.name} ids with 64-bit integers disabled."
         )
 
 
@@ -224,7 +202,7 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
                 f"for dense_shape {dense_shape}."
             )
         plain = _typed_indices.unwrap(indices) if typed else indices
-        _check_index_width(jnp.dtype(plain.dtype), dense_shape[0])
+        _ids.check_index_width(jnp.dtype(plain.dtype), dense_shape[0])
         if not typed:
             indices = _typed_indices.wrap(indices, dense_shape[0])
         self.values = values
@@ -504,7 +482,7 @@ def check_slices(s: Any, where: str) -> IndexedSlices:
 def valid_mask(s: IndexedSlices) -> jax.Array:
     """Boolean ``[N]``: ``True`` where the slot's index is a real row (0 <= i < V)."""
     check_slices(s, "valid_mask")
-    return (s.indices >= 0) & (s.indices < s.dense_shape[0])
+    return _ids.valid(s.indices, s.dense_shape[0])
 
 
 def safe_indices(s: IndexedSlices) -> jax.Array:
@@ -512,11 +490,11 @@ def safe_indices(s: IndexedSlices) -> jax.Array:
 
     ``V = dense_shape[0]`` is out of bounds, so a ``mode="drop"`` scatter
     drops it and a ``mode="fill"`` gather fills it. This is what stops JAX
-    from wrapping ``-1`` to the last row.
+    from wrapping ``-1`` to the last row (the ids policy,
+    :func:`jaxslices._ids.safe_ids`; the stored indices have its dtype).
     """
     check_slices(s, "IndexedSlices")
-    v = s.dense_shape[0]
-    return jnp.where(valid_mask(s), s.indices, jnp.asarray(v, s.indices.dtype))
+    return _ids.safe_ids(s.indices, s.dense_shape[0])
 
 
 def to_dense(tree: Any) -> Any:
@@ -590,14 +568,6 @@ def concatenate(slices: Sequence[IndexedSlices]) -> IndexedSlices:
     )
 
 
-def _sort_by_index(s: IndexedSlices) -> tuple[jax.Array, jax.Array]:
-    """Stable sort of the safe indices: returns (sorted_indices, permutation)."""
-    idx = safe_indices(s)
-    iota = jnp.arange(idx.shape[0], dtype=jnp.int32)
-    sorted_idx, perm = jax.lax.sort((idx, iota), num_keys=1, is_stable=True)
-    return sorted_idx, perm
-
-
 def coalesce(s: IndexedSlices, *, method: str = "sort") -> IndexedSlices:
     """Sum duplicate indices: unique indices, same static size ``N``.
 
@@ -606,7 +576,7 @@ def coalesce(s: IndexedSlices, *, method: str = "sort") -> IndexedSlices:
     float32; integers in at least 32-bit integers, never through a float); the
     remaining ``N - u`` slots are padding (index ``dense_shape[0]``, values
     zero). Invalid indices are dropped (become padding). Deterministic: the
-    same input gives the same bits on every run, on every backend. The result
+    same input gives the same bits on every run, on every platform. The result
     records that it is coalesced (:attr:`IndexedSlices.unique_indices`), so
     coalescing it again returns it as is.
 
@@ -617,10 +587,10 @@ def coalesce(s: IndexedSlices, *, method: str = "sort") -> IndexedSlices:
 
         * ``"sort"`` (default): indices in increasing order (GPU: pair sort and
           a fixed-tree scan; CPU/TPU: sort of the ids and ``searchsorted``).
-        * ``"pair_sort"``: sorted, the GPU algorithm on every backend.
+        * ``"pair_sort"``: sorted, the GPU algorithm on every platform.
         * ``"hash"``: O(N) hash deduplication, indices in order of first
           appearance (on GPU: ``"sort"``); about 2x faster on CPU.
-        * ``"auto"``: the fastest measured per backend, sorted or not
+        * ``"auto"``: the fastest measured per platform, sorted or not
           (``"hash"`` on CPU, ``"sort"`` elsewhere); what the transforms use.
 
     Example:
@@ -634,13 +604,18 @@ def coalesce(s: IndexedSlices, *, method: str = "sort") -> IndexedSlices:
       >>> h.indices, h.values, h.unique_indices, h.indices_sorted
       (Array([4, 1, 5], dtype=int32), Array([4., 2., 0.], dtype=float32), True, False)
     """
-    from . import _coalesce  # the implementations (imports this module)
-
-    return _coalesce.coalesce(s, method)
-
-
-def _expand(mask: jax.Array, ndim: int) -> jax.Array:
-    return mask.reshape(mask.shape + (1,) * (ndim - 1))
+    check_slices(s, "coalesce")
+    _coalesce.check_method(method, "jaxslices.coalesce")
+    unsorted_ok = method in _coalesce.UNSORTED_OK
+    if s.unique_indices and (s.indices_sorted or unsorted_ok):
+        return s  # coalesced already: free
+    if s.num_slices == 0:
+        return s
+    values, indices = _coalesce.coalesce_rows(
+        s.values, safe_indices(s), s.dense_shape[0], method
+    )
+    out = IndexedSlices(values, indices, s.dense_shape)
+    return _with_flags(out, unique_indices=True, indices_sorted=not unsorted_ok)
 
 
 def sparse_mask(s: IndexedSlices, mask_indices: Any) -> IndexedSlices:
@@ -670,7 +645,8 @@ def sparse_mask(s: IndexedSlices, mask_indices: Any) -> IndexedSlices:
     hit = m[pos] == s.indices
     v = s.dense_shape[0]
     indices = jnp.where(hit, jnp.asarray(v, s.indices.dtype), s.indices)
-    values = jnp.where(_expand(hit, s.values.ndim), jnp.zeros((), s.dtype), s.values)
+    hit_rows = _coalesce.rows_where(hit, s.values.ndim)
+    values = jnp.where(hit_rows, jnp.zeros((), s.dtype), s.values)
     return IndexedSlices(values, indices, s.dense_shape)
 
 
@@ -685,8 +661,8 @@ def sum_of_squares(x: Any) -> jax.Array:
     return jnp.sum(jnp.real(x * jnp.conj(x)))
 
 
-def global_norm(tree: Any) -> jax.Array:
-    """Exact L2 norm of the dense equivalent of every leaf of ``tree``.
+def global_norm(updates: Any) -> jax.Array:
+    """Exact L2 norm of the dense equivalent of every leaf of ``updates``.
 
     Duplicate indices are summed before squaring (unlike ``tf.linalg.global_norm``,
     which squares the raw values and under-reports the norm when ids repeat).
@@ -699,7 +675,7 @@ def global_norm(tree: Any) -> jax.Array:
       >>> float(jaxslices.global_norm({"emb": s, "w": jnp.array([8.0])}))
       10.0
     """
-    leaves = jax.tree.leaves(tree, is_leaf=is_indexed_slices)
+    leaves = jax.tree.leaves(updates, is_leaf=is_indexed_slices)
     if not leaves:
         return jnp.zeros((), jnp.float32)
     return jnp.sqrt(sum(sum_of_squares(x) for x in leaves))
@@ -746,7 +722,7 @@ def scatter_update(x: jax.Array, s: IndexedSlices) -> jax.Array:
     """Overwrite rows: ``x[i] = v`` for each slice; padding and invalid dropped.
 
     With duplicate indices the **last** occurrence wins, deterministically on
-    every backend (XLA leaves the order of colliding writes unspecified, so
+    every platform (XLA leaves the order of colliding writes unspecified, so
     earlier duplicates are removed before the scatter).
 
     Example:
@@ -756,44 +732,8 @@ def scatter_update(x: jax.Array, s: IndexedSlices) -> jax.Array:
       Array([2., 0.], dtype=float32)
     """
     x, s = _check_target(x, s, "scatter_update")
-    n = s.num_slices
-    if n == 0:
+    if s.num_slices == 0:
         return x
-    sorted_idx, perm = _sort_by_index(s)
-    is_last = jnp.concatenate([sorted_idx[1:] != sorted_idx[:-1], jnp.ones((1,), bool)])
-    v = s.dense_shape[0]
-    target = jnp.where(is_last, sorted_idx, jnp.asarray(v, sorted_idx.dtype))
+    target, perm = _coalesce.last_writes(safe_indices(s), pad=s.dense_shape[0])
     values = s.values[perm].astype(x.dtype)
     return x.at[target].set(values, mode="drop", unique_indices=False)
-
-
-def _check_tree_match(where: str, tree: Any, name: str, other: Any, other_name: str):
-    """Raise a ``ValueError`` naming the first tree path where two trees differ.
-
-    ``None`` and ``IndexedSlices`` count as leaves in both trees, so an
-    ``IndexedSlices`` update matches a dense parameter or state array.
-    """
-
-    def paths(t):
-        leaves = jax.tree_util.tree_flatten_with_path(
-            t, is_leaf=lambda x: x is None or isinstance(x, IndexedSlices)
-        )[0]
-        return [jax.tree_util.keystr(p) for p, _ in leaves]
-
-    a, b = paths(tree), paths(other)
-    if a == b:
-        return
-    only_a = [p for p in a if p not in set(b)]
-    only_b = [p for p in b if p not in set(a)]
-    if only_a or only_b:
-        detail = (
-            f"leaf {(only_a or only_b)[0] or '<root>'} is in `"
-            f"{name if only_a else other_name}` but not in `"
-            f"{other_name if only_a else name}`"
-        )
-    else:
-        detail = "the same leaves are in a different order"
-    raise ValueError(
-        f"{where}: `{name}` and `{other_name}` must have the same tree structure; "
-        f"{detail} ({len(a)} leaves vs {len(b)})."
-    )

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _jax_compat, slices
+from . import _jax_compat, _leaves, slices
 from .slices import IndexedSlices, _replace_values, check_slices
 
 __all__ = [
@@ -44,12 +44,11 @@ __all__ = [
 AxisName = Hashable | Sequence[Hashable]
 
 
-def _is_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, IndexedSlices)
+_is_leaf = _leaves.is_leaf
 
 
 def _where(name: str, path: Any) -> str:
-    return f"jaxslices.{name} (leaf {jax.tree_util.keystr(path) or '<root>'})"
+    return _leaves.label(f"jaxslices.{name}", path)
 
 
 def tree_add(*trees: Any) -> Any:
@@ -90,7 +89,7 @@ def tree_add(*trees: Any) -> Any:
         raise ValueError("jaxslices.tree_add: need at least one tree, got none.")
     first = trees[0]
     for i, t in enumerate(trees[1:], start=1):
-        slices._check_tree_match(
+        _leaves.check_structure(
             "jaxslices.tree_add", first, "trees[0]", t, f"trees[{i}]"
         )
 
@@ -141,19 +140,28 @@ def tree_map_values(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
       >>> half.dtype, half.indices
       (dtype(bfloat16), Array([1, 2], dtype=int32))
     """
+    return _map_values("tree_map_values", fn, tree)
+
+
+def _map_values(name: str, fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
+    """:func:`tree_map_values`, its errors naming ``jaxslices.<name>``.
+
+    The one value-wise map of gradient trees: :func:`tree_map_values` and the
+    value-wise transforms (``scale``, ``scale_by_schedule``) use it.
+    """
 
     def leaf(path, g):
         if g is None:
             return None
         if isinstance(g, IndexedSlices):
-            check_slices(g, _where("tree_map_values", path))
+            check_slices(g, _where(name, path))
             values = fn(g.values)
             want = (g.num_slices, *g.row_shape)
             got = getattr(values, "shape", None)
             if got is None or tuple(got) != want:
                 what = type(values).__name__ if got is None else f"shape {got}"
                 raise ValueError(
-                    f"{_where('tree_map_values', path)}: `fn` must keep the shape "
+                    f"{_where(name, path)}: `fn` must keep the shape "
                     f"of the values of an IndexedSlices, {want} (one row of shape "
                     f"dense_shape[1:] = {g.row_shape} per slot), but it returned "
                     f"{what}. fn sees the slots' rows, so it must act row by row "
@@ -305,8 +313,7 @@ def tree_pmean(tree: Any, axis_name: AxisName) -> Any:
     dense equivalent is the mean of the devices' dense equivalents.
 
     Args:
-      tree: a gradient tree (``None`` and ``IndexedSlices`` are leaves).
-      axis_name: the named axis (or tuple of axes) to average over.
+      tree, axis_name: as in :func:`tree_psum`.
 
     Returns:
       The averaged tree; slices leaves have ``n`` times as many slots.

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import slices
+from . import _leaves, slices
 from .slices import IndexedSlices, check_slices
 
 __all__ = ["apply_updates"]
@@ -22,7 +22,7 @@ _WHERE = "jaxslices.apply_updates"
 
 
 def _apply_leaf(path: Any, p: Any, u: Any) -> Any:
-    where = f"{_WHERE} (leaf {jax.tree_util.keystr(path) or '<root>'})"
+    where = _leaves.label(_WHERE, path)
     if p is None:
         return None
     if u is None:
@@ -88,7 +88,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
              [1., 1.],
              [0., 0.]], dtype=float32)
     """
-    slices._check_tree_match(_WHERE, params, "params", updates, "updates")
+    _leaves.check_structure(_WHERE, params, "params", updates, "updates")
     return jax.tree_util.tree_map_with_path(
-        _apply_leaf, params, updates, is_leaf=lambda x: x is None
+        _apply_leaf, params, updates, is_leaf=_leaves.is_leaf
     )

@@ -1,8 +1,9 @@
 """Steps that fail on exactly one device of an 8-device mesh, as a user writes them.
 
-Used by ``tests/test_failures.py`` (one process, 8 CPU devices, each case in a
-child process so that a hang cannot take the test run with it) and by
-``tests/_multihost_worker.py`` (2 processes x 4 devices). Every case builds
+Used by ``tests/scale/test_errors.py`` (one process, 8 CPU devices, each case
+in a child process so that a hang cannot take the test run with it) and by
+``tests/_multihost_worker.py`` (2 processes x 4 devices,
+``tests/scale/test_sharding_multihost.py``). Every case builds
 its data with :func:`global_array`, so it runs the same in both settings, and
 returns ``{"raised": bool, "message": str, "seconds": float, "after": ...}``:
 whether the failing step raised in this process, the error's last line, how
@@ -35,6 +36,23 @@ CASES = (
     "check_ids_shard_map",
     "multisteps_overflow",
 )
+
+#: What every process must raise for each case (part of the message).
+EXPECTED = {
+    "lookup_overflow": "sharded_lookup(routing='all_to_all'): a device has 3 "
+    "distinct ids for one shard, more than capacity=2 slots. Nothing was "
+    "dropped: the step stops here, on every device. Pass capacity >= 3",
+    "update_overflow": "sharded_update(routing='all_to_all'): a device has 3 "
+    "distinct ids for one shard, more than capacity=2 slots",
+    "check_ids_jit": "embedding_lookup(check_ids=True): ids must be in [0, 64) "
+    "for a table with 64 rows; 1 id is out of range (the ids checked have min "
+    "0 and max 65)",
+    "check_ids_shard_map": "check_ids: ids must be in [0, 64) for a table with "
+    "64 rows; 1 id is out of range (the ids checked have min -1 and max 63)",
+    "multisteps_overflow": "jaxslices.MultiSteps (leaf ['emb']): the "
+    "accumulated gradient touches 128 distinct rows but the buffer has "
+    "capacity=64 slots",
+}
 
 
 def global_array(x: np.ndarray, sharding: Any) -> jax.Array:

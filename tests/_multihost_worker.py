@@ -1,4 +1,4 @@
-"""One process of the multi-host test (``tests/test_sharding_multihost.py``).
+"""One process of the multi-host test (``tests/scale/test_sharding_multihost.py``).
 
 Run as ``python _multihost_worker.py PORT PROCESS_ID NUM_PROCESSES OUT_JSON``
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``: joins the others

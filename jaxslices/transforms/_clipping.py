@@ -1,0 +1,166 @@
+"""Clipping: Optax's ``clipping.py`` for trees holding ``IndexedSlices``.
+
+Clipping acts on the dense gradient, so sparse leaves are coalesced first
+(duplicate ids summed): ``clip`` clips each row's sum, ``clip_by_row_norm``
+each distinct row's norm, and ``clip_by_global_norm`` uses the exact norm of
+the dense equivalent.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.typing import ArrayLike
+
+from .. import _coalesce
+from .._coalesce import check_method
+from ._rowwise import (
+    abs_sq,
+    check_all,
+    coalesce_all,
+    global_norm,
+    map_values,
+    rowwise_update,
+)
+
+__all__ = ["clip", "clip_by_global_norm", "clip_by_row_norm"]
+
+
+def clip(
+    max_delta: ArrayLike, *, coalesce_method: str = "auto"
+) -> optax.GradientTransformationExtraArgs:
+    """Clip every entry to ``[-max_delta, max_delta]``.
+
+    Dense leaves: exactly :func:`optax.clip`. Sparse leaves are coalesced first,
+    so the per-row **sum** is clipped, as clipping the dense gradient would;
+    the result is coalesced.
+
+    Args:
+      max_delta: the largest absolute value kept.
+      coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> g = jaxslices.IndexedSlices(jnp.array([0.5, 0.7]), jnp.array([1, 1]), (2,))
+      >>> tx = jaxslices.clip(1.0)
+      >>> u, _ = tx.update(g, tx.init(jnp.zeros(2)))
+      >>> u.indices, u.values
+      (Array([1, 2], dtype=int32), Array([1., 0.], dtype=float32))
+    """
+    check_method(coalesce_method, "jaxslices.clip")
+
+    def rule(g, states, p):
+        return jnp.clip(g, -max_delta, max_delta), ()
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        return rowwise_update("clip", rule, updates, method=coalesce_method)[0], state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
+def clip_by_global_norm(
+    max_norm: ArrayLike, *, coalesce_method: str = "auto"
+) -> optax.GradientTransformationExtraArgs:
+    """Scale all updates by ``max_norm / norm`` when their global norm exceeds it.
+
+    The norm is exact: it is the L2 norm of the dense equivalent of every leaf,
+    duplicate indices summed before squaring (as :func:`jaxslices.global_norm`;
+    TensorFlow squares raw values and under-clips when ids repeat). Squares are
+    summed in at least float32. On float32 dense leaves this is
+    :func:`optax.clip_by_global_norm`. Slices come out coalesced (the norm
+    needs the per-row sums; passing them on means a following transform does
+    not coalesce again).
+
+    Args:
+      max_norm: the largest global norm let through unscaled.
+      coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> g = jaxslices.IndexedSlices(jnp.array([3.0, 3.0]), jnp.array([0, 0]), (2,))
+      >>> tx = jaxslices.clip_by_global_norm(1.0)
+      >>> u, _ = tx.update({"emb": g, "w": jnp.array([8.0])}, tx.init(None))
+      >>> u["emb"].to_dense(), u["w"]  # norm 10: (3 + 3, 8) scaled by 1/10
+      (Array([0.6, 0. ], dtype=float32), Array([0.8], dtype=float32))
+    """
+    check_method(coalesce_method, "jaxslices.clip_by_global_norm")
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        check_all("clip_by_global_norm", updates)
+        # Coalesce once: the norm needs per-row sums, and the coalesced slices
+        # are passed on, so a following transform does not coalesce again.
+        updates = coalesce_all(updates, coalesce_method)
+        g_norm = global_norm(updates)
+        trigger = jnp.squeeze(g_norm < max_norm)
+
+        def clip_fn(t):
+            return jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)
+
+        return map_values("clip_by_global_norm", clip_fn, updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
+def _row_norm_scale(x: jax.Array, max_norm: ArrayLike) -> jax.Array:
+    """Rows of ``x`` (leading axis) with L2 norm above ``max_norm`` scaled to it."""
+    if x.ndim == 0:
+        return _row_norm_scale(x[None], max_norm)[0]
+    axes = tuple(range(1, x.ndim))
+    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    norm = jnp.sqrt(jnp.sum(abs_sq(wide), axis=axes))
+    over = norm > max_norm
+    factor = jnp.where(over, max_norm / jnp.where(over, norm, 1.0), 1.0)
+    return x * _coalesce.rows_where(factor.astype(x.dtype), x.ndim)
+
+
+def clip_by_row_norm(
+    max_norm: ArrayLike, *, coalesce_method: str = "auto"
+) -> optax.GradientTransformationExtraArgs:
+    """Scale every row whose L2 norm exceeds ``max_norm`` down to ``max_norm``.
+
+    A row is a slice along the leading axis of the dense equivalent. Sparse
+    leaves are coalesced first, so each *distinct* row is clipped by the norm
+    of its summed gradient (as clipping the dense gradient would); the result is
+    coalesced. Dense leaves use the same rule with rows along their leading
+    axis: a ``(V, D)`` array has ``V`` rows of ``D`` entries, a ``(D,)`` vector
+    has ``D`` rows of one entry (so this clips magnitudes elementwise), a scalar
+    is one row. Norms are computed in at least float32. Optax has no such
+    transform.
+
+    Args:
+      max_norm: the largest row norm let through unscaled.
+      coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> vals = jnp.array([[3.0, 0.0], [0.0, 4.0], [0.5, 0.0]])
+      >>> g = jaxslices.IndexedSlices(vals, jnp.array([0, 0, 1]), (2, 2))
+      >>> tx = jaxslices.clip_by_row_norm(1.0)
+      >>> u, _ = tx.update(g, tx.init(None))
+      >>> u.to_dense()
+      Array([[0.6, 0.8],
+             [0.5, 0. ]], dtype=float32)
+    """
+    check_method(coalesce_method, "jaxslices.clip_by_row_norm")
+
+    def rule(g, states, p):
+        return _row_norm_scale(g, max_norm), ()
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        out = rowwise_update("clip_by_row_norm", rule, updates, method=coalesce_method)
+        return out[0], state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)

@@ -1,0 +1,618 @@
+"""Building blocks: Optax's ``transform.py`` for trees holding ``IndexedSlices``.
+
+Scaling (value-wise: slices keep their indices, nothing is coalesced), momentum,
+weight decay, Adagrad's and Adam's scalings, and ``densify``. The stateful
+ones are rules given to :func:`jaxslices.transforms._rowwise.rowwise_update`, which
+applies them to dense leaves whole and to the touched rows of sparse leaves.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.typing import ArrayLike
+
+from .._coalesce import check_method
+from ..slices import IndexedSlices
+from ._rowwise import (
+    ScalarOrSchedule,
+    abs_sq,
+    check_all,
+    is_leaf,
+    map_values,
+    rowwise_update,
+    zeros_like,
+)
+
+__all__ = [
+    "AddDecayedWeightsState",
+    "ScaleByLazyAdamState",
+    "ScaleByRowwiseRssState",
+    "ScaleByRssState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "add_decayed_weights",
+    "densify",
+    "scale",
+    "scale_by_lazy_adam",
+    "scale_by_learning_rate",
+    "scale_by_rowwise_rss",
+    "scale_by_rss",
+    "scale_by_schedule",
+    "trace",
+]
+
+
+# ---------------------------------------------------------------- scaling
+
+
+class ScaleByScheduleState(NamedTuple):
+    """State of :func:`scale_by_schedule`: the number of updates so far."""
+
+    count: jax.Array  # int32 scalar
+
+
+def scale(step_size: ArrayLike) -> optax.GradientTransformationExtraArgs:
+    """Scale updates by a fixed scalar; slices keep their indices.
+
+    Same numbers as :func:`optax.scale` on dense leaves (``step_size * g``); on an
+    :class:`~jaxslices.IndexedSlices` only ``values`` are scaled.
+
+    Args:
+      step_size: the scalar factor.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> g = jaxslices.IndexedSlices(jnp.ones((2, 1)), jnp.array([0, 2]), (3, 1))
+      >>> tx = jaxslices.scale(0.5)
+      >>> u, _ = tx.update({"emb": g}, tx.init({"emb": jnp.zeros((3, 1))}))
+      >>> u["emb"].values.ravel(), u["emb"].indices
+      (Array([0.5, 0.5], dtype=float32), Array([0, 2], dtype=int32))
+    """
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        return map_values("scale", lambda g: step_size * g, updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
+def scale_by_schedule(
+    step_size_fn: Callable[[jax.Array], ArrayLike],
+) -> optax.GradientTransformationExtraArgs:
+    """Scale updates by ``step_size_fn(count)``, ``count`` the number of steps so far.
+
+    Same numbers as :func:`optax.scale_by_schedule` on dense leaves; on slices
+    only ``values`` are scaled.
+
+    Args:
+      step_size_fn: an Optax schedule, ``count -> step size``.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose state is a
+      :class:`ScaleByScheduleState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxslices
+      >>> tx = jaxslices.scale_by_schedule(optax.linear_schedule(1.0, 0.0, 4))
+      >>> g = jaxslices.IndexedSlices(jnp.ones(1), jnp.array([1]), (2,))
+      >>> state = tx.init(jnp.zeros(2))
+      >>> u, state = tx.update(g, state)
+      >>> u, state = tx.update(g, state)
+      >>> u.values, state.count
+      (Array([0.75], dtype=float32), Array(2, dtype=int32))
+    """
+
+    def init_fn(params):
+        del params
+        return ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        step_size = step_size_fn(state.count)
+        updates = map_values(
+            "scale_by_schedule",
+            lambda g: jnp.array(step_size, dtype=g.dtype) * g,
+            updates,
+        )
+        return updates, ScaleByScheduleState(optax.safe_increment(state.count))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def scale_by_learning_rate(
+    learning_rate: ScalarOrSchedule | None = None, *, flip_sign: bool = True
+) -> optax.GradientTransformationExtraArgs:
+    """Scale by ``-learning_rate`` (a constant or an Optax schedule).
+
+    Same numbers as :func:`optax.scale_by_learning_rate` on dense leaves.
+
+    Args:
+      learning_rate: a scalar or a schedule ``count -> learning rate``; ``None``
+        gives the identity.
+      flip_sign: multiply by ``-learning_rate`` (descent) when ``True``.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> tx = jaxslices.scale_by_learning_rate(0.1)
+      >>> g = jaxslices.IndexedSlices(jnp.ones(1), jnp.array([0]), (2,))
+      >>> tx.update(g, tx.init(jnp.zeros(2)))[0].values
+      Array([-0.1], dtype=float32)
+    """
+    if learning_rate is None:
+        return optax.with_extra_args_support(optax.identity())
+    m = -1 if flip_sign else 1
+    if callable(learning_rate):
+        return scale_by_schedule(lambda count: m * learning_rate(count))
+    return scale(m * learning_rate)
+
+
+# --------------------------------------------------------------- momentum
+
+
+class TraceState(NamedTuple):
+    """State of :func:`trace`: one momentum buffer per parameter (dense)."""
+
+    trace: Any
+
+
+def trace(
+    decay: ArrayLike,
+    nesterov: bool = False,
+    accumulator_dtype: Any = None,
+    *,
+    coalesce_method: str = "auto",
+) -> optax.GradientTransformationExtraArgs:
+    """Momentum ``t <- g + decay * t``, lazy for sparse leaves: :func:`sgd`'s trace.
+
+    The building block of :func:`jaxslices.sgd` with momentum, which has the
+    maths, what *lazy* means for sparse leaves, and the references. Dense
+    leaves: exactly :func:`optax.trace`. Sparse leaves: duplicates are summed,
+    then only the touched rows of the ``(V, ...)`` trace are read and written.
+
+    Args:
+      decay: the momentum coefficient (``momentum`` of :func:`jaxslices.sgd`).
+      nesterov, accumulator_dtype, coalesce_method: as in :func:`jaxslices.sgd`.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose state is a
+      :class:`TraceState`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> tx = jaxslices.trace(0.5)
+      >>> g = jaxslices.IndexedSlices(jnp.ones((2, 1)), jnp.array([1, 1]), (3, 1))
+      >>> state = tx.init(jnp.zeros((3, 1)))
+      >>> u, state = tx.update(g, state)
+      >>> u, state = tx.update(g, state)
+      >>> state.trace.ravel()
+      Array([0., 3., 0.], dtype=float32)
+    """
+    check_method(coalesce_method, "jaxslices.trace")
+    dtype = None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
+
+    def init_fn(params):
+        return TraceState(trace=zeros_like(params, dtype))
+
+    def rule(g, states, p):
+        (t,) = states
+        new_t = g + decay * t
+        upd = g + decay * new_t if nesterov else new_t
+        return upd, (new_t if dtype is None else new_t.astype(dtype),)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        updates, (new_trace,) = rowwise_update(
+            "trace",
+            rule,
+            updates,
+            [("state.trace", state.trace)],
+            method=coalesce_method,
+        )
+        return updates, TraceState(trace=new_trace)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# ------------------------------------------------------------ weight decay
+
+
+class AddDecayedWeightsState(NamedTuple):
+    """State of :func:`add_decayed_weights` with a scheduled weight decay."""
+
+    count: jax.Array  # int32 scalar
+
+
+def add_decayed_weights(
+    weight_decay: ScalarOrSchedule = 0.0,
+    mask: Any = None,
+    *,
+    coalesce_method: str = "auto",
+) -> optax.GradientTransformationExtraArgs:
+    """Add ``weight_decay * params`` to the updates; touched rows only for slices.
+
+    Dense leaves: exactly :func:`optax.add_decayed_weights`. A sparse leaf is
+    coalesced (each row decays once per step) and gets ``weight_decay *
+    params[row]`` added for the rows it touches only: untouched rows are not
+    decayed (lazy weight decay, as in sparse optimizers). The result is
+    coalesced.
+
+    Args:
+      weight_decay: a scalar or an Optax schedule.
+      mask: ``None`` (decay every leaf), a tree of bools with the structure of
+        the params (or a prefix of it), or a callable ``params -> such a tree``.
+        ``False`` leaves pass through unchanged. Unlike :func:`optax.masked`, a
+        callable is always given the *params* (dense arrays), never the
+        updates, so it does not need to know about ``IndexedSlices``.
+      coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs`.
+
+    References:
+      Loshchilov and Hutter, 2019, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_; :func:`optax.add_decayed_weights`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> params = jnp.array([1.0, 2.0, 3.0])
+      >>> g = jaxslices.IndexedSlices(jnp.zeros(2), jnp.array([2, 2]), (3,))
+      >>> tx = jaxslices.add_decayed_weights(0.1)
+      >>> u, _ = tx.update(g, tx.init(params), params)
+      >>> u.to_dense()
+      Array([0. , 0. , 0.3], dtype=float32)
+    """
+    check_method(coalesce_method, "jaxslices.add_decayed_weights")
+    name = "add_decayed_weights"
+    scheduled = callable(weight_decay)
+
+    def init_fn(params):
+        del params
+        if scheduled:
+            return AddDecayedWeightsState(count=jnp.zeros([], jnp.int32))
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        if params is None:
+            raise ValueError(
+                f"jaxslices.{name} needs the params: call "
+                "`tx.update(updates, state, params)`."
+            )
+        new_state = state
+        if scheduled:
+            new_state = AddDecayedWeightsState(optax.safe_increment(state.count))
+        if isinstance(weight_decay, (int, float)) and weight_decay == 0.0:
+            return updates, new_state
+        wd = weight_decay(state.count) if scheduled else weight_decay
+
+        def rule(g, states, p):
+            return g + wd * p, ()
+
+        def decay(u, p):
+            return rowwise_update(name, rule, u, params=p, method=coalesce_method)[0]
+
+        if mask is None:
+            return decay(updates, params), new_state
+        mask_tree = mask(params) if callable(mask) else mask
+        updates = jax.tree.map(
+            lambda m, u, p: decay(u, p) if m else u,
+            mask_tree,
+            updates,
+            params,
+            is_leaf=lambda x: x is None,
+        )
+        return updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------- adagrad
+
+
+class ScaleByRssState(NamedTuple):
+    """State of :func:`scale_by_rss`: accumulated squared gradients (dense)."""
+
+    sum_of_squares: Any
+
+
+def scale_by_rss(
+    initial_accumulator_value: ArrayLike = 0.1,
+    eps: ArrayLike = 1e-7,
+    *,
+    coalesce_method: str = "auto",
+) -> optax.GradientTransformationExtraArgs:
+    """Adagrad's scaling, ``g / sqrt(sum of g**2 + eps)``, touched rows only.
+
+    The building block of :func:`jaxslices.adagrad`, which has the maths, why
+    the sparse result equals the dense one, and the references. Dense leaves:
+    exactly :func:`optax.scale_by_rss`. Sparse leaves are coalesced; the
+    accumulator rows they touch are gathered, updated and scattered back.
+
+    Args:
+      initial_accumulator_value, eps, coalesce_method: as in
+        :func:`jaxslices.adagrad`.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose state is a
+      :class:`ScaleByRssState`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> tx = jaxslices.scale_by_rss(initial_accumulator_value=0.0, eps=0.0)
+      >>> g = jaxslices.IndexedSlices(jnp.array([1.0, 1.0]), jnp.array([0, 0]), (2,))
+      >>> u, state = tx.update(g, tx.init(jnp.zeros(2)))
+      >>> u.values, state.sum_of_squares
+      (Array([1., 0.], dtype=float32), Array([4., 0.], dtype=float32))
+    """
+    check_method(coalesce_method, "jaxslices.scale_by_rss")
+
+    def init_fn(params):
+        return ScaleByRssState(
+            sum_of_squares=jax.tree.map(
+                lambda p: jnp.full_like(p, initial_accumulator_value), params
+            )
+        )
+
+    def rule(g, states, p):
+        acc = abs_sq(g) + states[0]
+        return jnp.where(acc > 0, jax.lax.rsqrt(acc + eps), 0.0) * g, (acc,)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        updates, (acc,) = rowwise_update(
+            "scale_by_rss",
+            rule,
+            updates,
+            [("state", state.sum_of_squares)],
+            method=coalesce_method,
+        )
+        return updates, ScaleByRssState(sum_of_squares=acc)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class ScaleByRowwiseRssState(NamedTuple):
+    """State of :func:`scale_by_rowwise_rss`: one accumulator per table row.
+
+    For a parameter of rank >= 2 the accumulator has shape ``(V,)``; for rank
+    0 and 1, the parameter's shape. Its dtype is at least float32.
+    """
+
+    sum_of_squares: Any
+
+
+def _rowwise_state_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape[:1] if len(shape) >= 2 else shape
+
+
+def _rowwise_state_dtype(dtype: Any) -> Any:
+    wide = jnp.promote_types(dtype, jnp.float32)
+    return jnp.finfo(wide).dtype if jnp.issubdtype(wide, jnp.inexact) else wide
+
+
+def scale_by_rowwise_rss(
+    initial_accumulator_value: ArrayLike = 0.0,
+    eps: ArrayLike = 1e-8,
+    *,
+    coalesce_method: str = "auto",
+) -> optax.GradientTransformationExtraArgs:
+    """Row-wise Adagrad's scaling: one accumulator per row, ``g / (sqrt(acc) + eps)``.
+
+    The building block of :func:`jaxslices.rowwise_adagrad`, which has the
+    maths, why the sparse result equals the dense one, and the references.
+    For a table (rank >= 2, rows on axis 0) the state holds one float per row;
+    rank-0 and rank-1 leaves keep one accumulator per element. Sparse leaves
+    are coalesced first; only the touched rows' accumulators change.
+
+    Args:
+      initial_accumulator_value, eps, coalesce_method: as in
+        :func:`jaxslices.rowwise_adagrad`.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose state is a
+      :class:`ScaleByRowwiseRssState`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> tx = jaxslices.scale_by_rowwise_rss(eps=0.0)
+      >>> g = jaxslices.IndexedSlices(jnp.array([[1.0, 7.0]]), jnp.array([1]), (3, 2))
+      >>> u, state = tx.update(g, tx.init(jnp.zeros((3, 2))))
+      >>> state.sum_of_squares  # row 1: mean(1**2, 7**2) = 25
+      Array([ 0., 25.,  0.], dtype=float32)
+      >>> u.values  # g / sqrt(25)
+      Array([[0.2, 1.4]], dtype=float32)
+    """
+    check_method(coalesce_method, "jaxslices.scale_by_rowwise_rss")
+
+    def init_leaf(p):
+        if not (hasattr(p, "shape") and hasattr(p, "dtype")):
+            p = jnp.asarray(p)  # lists, Python scalars
+        return jnp.full(
+            _rowwise_state_shape(tuple(p.shape)),
+            initial_accumulator_value,
+            _rowwise_state_dtype(p.dtype),
+        )
+
+    def init_fn(params):
+        return ScaleByRowwiseRssState(sum_of_squares=jax.tree.map(init_leaf, params))
+
+    def rule(g, states, p):
+        (acc,) = states
+        sq = abs_sq(g).astype(acc.dtype)
+        if g.ndim >= 2:
+            sq = jnp.mean(sq, axis=tuple(range(1, g.ndim)))
+        new_acc = acc + sq
+        shape = new_acc.shape + (1,) * (g.ndim - new_acc.ndim)
+        # new_acc == 0 only where g == 0: divide by 1 there (no 0 / 0).
+        denom = jnp.where(new_acc > 0, jnp.sqrt(new_acc) + eps, 1.0)
+        return (g / denom.reshape(shape)).astype(g.dtype), (new_acc,)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        updates, (acc,) = rowwise_update(
+            "scale_by_rowwise_rss",
+            rule,
+            updates,
+            [("state.sum_of_squares", state.sum_of_squares)],
+            state_shape=_rowwise_state_shape,
+            method=coalesce_method,
+        )
+        return updates, ScaleByRowwiseRssState(sum_of_squares=acc)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# -------------------------------------------------------------- lazy adam
+
+
+@functools.partial(jax.jit, inline=True)
+def _bias_correction(decay: ArrayLike, count: jax.Array) -> jax.Array:
+    """``1 - decay**count``, once per step and in float32 (Optax computes it so)."""
+    return 1 - decay**count
+
+
+def _debias(moment: jax.Array, correction: jax.Array) -> jax.Array:
+    return moment / correction.astype(moment.dtype)
+
+
+class ScaleByLazyAdamState(NamedTuple):
+    """State of :func:`scale_by_lazy_adam`: global step count and dense moments."""
+
+    count: jax.Array  # int32 scalar
+    mu: Any
+    nu: Any
+
+
+def scale_by_lazy_adam(
+    b1: ArrayLike = 0.9,
+    b2: ArrayLike = 0.999,
+    eps: ArrayLike = 1e-8,
+    eps_root: ArrayLike = 0.0,
+    mu_dtype: Any = None,
+    *,
+    nesterov: bool = False,
+    coalesce_method: str = "auto",
+) -> optax.GradientTransformationExtraArgs:
+    """Adam's scaling (:func:`optax.scale_by_adam`), lazy for sparse leaves.
+
+    The building block of :func:`jaxslices.lazy_adam`, which has the maths,
+    what *lazy* means for sparse leaves, the bias correction (one global step
+    count), and the references. Dense leaves: exactly
+    :func:`optax.scale_by_adam`. Sparse leaves are coalesced; the moments of
+    the touched rows are gathered, updated and scattered back, and only those
+    rows get an update.
+
+    Args:
+      b1, b2, eps, eps_root, mu_dtype, nesterov, coalesce_method: as in
+        :func:`jaxslices.lazy_adam`.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose state is a
+      :class:`ScaleByLazyAdamState`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxslices
+      >>> tx = jaxslices.scale_by_lazy_adam()
+      >>> g = jaxslices.IndexedSlices(jnp.array([2.0]), jnp.array([1]), (3,))
+      >>> u, state = tx.update(g, tx.init(jnp.zeros(3)))
+      >>> u.to_dense().round(4), state.mu
+      (Array([0., 1., 0.], dtype=float32), Array([0. , 0.2, 0. ], dtype=float32))
+    """
+    check_method(coalesce_method, "jaxslices.scale_by_lazy_adam")
+    mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+
+    def init_fn(params):
+        return ScaleByLazyAdamState(
+            count=jnp.zeros([], jnp.int32),
+            mu=zeros_like(params, mu_dtype),
+            nu=zeros_like(params),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        count = optax.safe_increment(state.count)
+        # One global step count for every leaf and row (see the docstring).
+        bc_mu = _bias_correction(b1, count)
+        bc_mu_next = _bias_correction(b1, optax.safe_increment(count))
+        bc_nu = _bias_correction(b2, count)
+
+        def rule(g, states, p):
+            m, v = states
+            mu = optax.tree.update_moment(g, m, b1, 1)
+            nu = optax.tree.update_moment_per_elem_norm(g, v, b2, 2)
+            if nesterov:
+                mu_hat = b1 * _debias(mu, bc_mu_next) + (1 - b1) * _debias(g, bc_mu)
+            else:
+                mu_hat = _debias(mu, bc_mu)
+            upd = mu_hat / (jnp.sqrt(_debias(nu, bc_nu) + eps_root) + eps)
+            new_mu = mu if mu_dtype is None else mu.astype(mu_dtype)
+            return upd, (new_mu, nu.astype(v.dtype))
+
+        updates, (mu, nu) = rowwise_update(
+            "scale_by_lazy_adam",
+            rule,
+            updates,
+            [("state.mu", state.mu), ("state.nu", state.nu)],
+            method=coalesce_method,
+        )
+        return updates, ScaleByLazyAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# ------------------------------------------------------------- densify
+
+
+def densify(max_rows: int | None = None) -> optax.GradientTransformationExtraArgs:
+    """Turn sparse updates of small tables into dense arrays (opt-in fallback).
+
+    Replaces each :class:`~jaxslices.IndexedSlices` whose table has at most
+    ``max_rows`` rows (all of them if ``None``) by its dense equivalent, and
+    leaves larger tables sparse. Put it first in a chain: for small tables a
+    dense step is cheaper than gathering and scattering rows for clipping,
+    Adagrad and Adam (never for plain SGD); the measured crossover, which
+    depends on the machine and the row width, is in ``docs/optax.md`` ("Small
+    tables") and ``benchmarks/RESULTS.md``. The maths changes
+    with it: a densified table gets the dense (non-lazy) update of the
+    transforms that follow, e.g. Adam moments of untouched rows decay.
+
+    Args:
+      max_rows: the largest table (``dense_shape[0]``) to densify.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` with empty state.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxslices
+      >>> g = jaxslices.IndexedSlices(jnp.ones((2, 1)), jnp.array([0, 0]), (3, 1))
+      >>> tx = optax.chain(jaxslices.densify(max_rows=1000), jaxslices.lazy_adam(0.1))
+      >>> u, _ = tx.update({"emb": g}, tx.init({"emb": jnp.zeros((3, 1))}))
+      >>> type(u["emb"]).__name__
+      'ArrayImpl'
+    """
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        check_all("densify", updates)
+
+        def leaf(g):
+            small = max_rows is None or (
+                isinstance(g, IndexedSlices) and g.dense_shape[0] <= max_rows
+            )
+            return g.to_dense() if isinstance(g, IndexedSlices) and small else g
+
+        return jax.tree.map(leaf, updates, is_leaf=is_leaf), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)

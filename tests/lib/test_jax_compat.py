@@ -1,0 +1,461 @@
+"""jaxslices._jax_compat: each private JAX name can go, and nothing turns wrong.
+
+Each entry of the inventory is taken away in turn through its documented
+switch (``_jax_compat.AVAILABLE``), and every path it serves is checked
+against JAX's own dense gradient (or the one-device step): a top-level
+lookup, nested ``vmap``, ``lax.scan``, ``value_and_grad`` inside
+``jax.shard_map(check_vma=True)`` with sharded ids on 8 CPU devices, a
+data-parallel ``jit`` step, ``all_to_all`` routing on a 2-D mesh, and the
+typed indices' eager messages. The expectations say which paths must stay
+sparse without the entry, so a fallback that silently changed nothing would
+be noticed too.
+"""
+
+from __future__ import annotations
+
+import re
+import tokenize
+from pathlib import Path
+
+import _mesh
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxslices as js
+from jaxslices import _jax_compat, _typed_indices
+from tools import hlo as _hlo
+
+ROOT = Path(__file__).resolve().parents[2]
+ENTRIES = [e.name for e in _jax_compat.ENTRIES]
+V, D, B, L = 64, 4, 16, 3
+
+# Paths that stay sparse without the entry (the others fall back to dense).
+DENSE_WITHOUT = {
+    "top": {"varying_axes"},
+    "nested_vmap": {"vmap_internals", "varying_axes"},
+    "shard_map": {"varying_axes", "pcast_varying"},
+}
+
+
+def _sparse_expected(path: str, off: str | None) -> bool:
+    return off not in DENSE_WITHOUT[path]
+
+
+@pytest.fixture(params=[None, *ENTRIES])
+def off(request, monkeypatch):
+    """``None`` (everything available) or the entry taken away."""
+    if request.param is not None:
+        monkeypatch.setitem(_jax_compat.AVAILABLE, request.param, False)
+    return request.param
+
+
+def _case(seed=0):
+    return _mesh.init_params(V, D, seed), *_mesh.batch(V, B, L, seed=seed)
+
+
+def _summed_over_devices(params, ids, y, n=8):
+    """JAX's gradient of a replicated parameter under ``check_vma``: the sum
+    over devices of the per-device gradients (each device one slice of ids)."""
+
+    def summed(p):
+        parts = jnp.split(ids, n), jnp.split(y, n)
+        return sum(_mesh.loss_fn(p, i, t) for i, t in zip(*parts, strict=True))
+
+    return jax.grad(summed)(params)
+
+
+def _assert_grads_equal(got, ref):
+    got = js.to_dense(got)
+    for k in ref:
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------ the inventory
+
+
+def test_every_entry_is_available_on_this_jax():
+    # Both CI legs (the oldest and the newest supported JAX) run the fast
+    # paths: no fallback is exercised by accident.
+    assert _jax_compat.AVAILABLE == {name: True for name in ENTRIES}
+
+
+def test_inventory_is_copied_into_the_design_doc():
+    design = (ROOT / "docs" / "design.md").read_text()
+    assert _jax_compat.inventory_table() in design
+    assert _jax_compat.inventory_table() in _jax_compat.__doc__
+    assert set(_jax_compat.AVAILABLE) == set(ENTRIES)
+
+
+def test_one_version_parse():
+    assert _jax_compat.JAX_VERSION == _jax_compat.parse_version(jax.__version__)
+    assert _jax_compat.parse_version("0.12.0.1") == (0, 12, 0)
+    assert _jax_compat.parse_version("0.13.0rc1") == (0, 13, 0)
+    assert _jax_compat.parse_version("0.10.2.dev20260101+cuda") == (0, 10, 2)
+    assert _jax_compat.parse_version("1") == (1, 0, 0)
+    assert _jax_compat.parse_version("") == (0, 0, 0)
+
+
+# Names that only _jax_compat (and, for the opt-in native backend, _hijax) may
+# use: private modules, internal attributes of JAX's objects, version checks.
+_PRIVATE = [
+    r"jax\._src",
+    r"jax\.__version__",
+    r"get_opaque_trace_state",
+    r"trace_ctx",
+    r"BatchTrace",
+    r"manual_axis_type",
+    r"\.vma\b",
+    r"\.mat\b",
+    r"lax\.pcast",
+    r"lax\.pvary",
+    r"invarying",
+    r"axis_types",
+    r"\.sharding\.mesh",
+    r"jax\.shard_map",
+    r"experimental\.shard_map",
+    r"getattr_static",
+]
+
+
+def _code_only(path: Path) -> str:
+    """The module's source without strings and comments (docstrings, messages)."""
+    with path.open("rb") as f:
+        tokens = tokenize.tokenize(f.readline)
+        kept = [
+            t.string
+            for t in tokens
+            if t.type not in (tokenize.STRING, tokenize.COMMENT, tokenize.ENCODING)
+        ]
+    return " ".join(kept).replace(" . ", ".")
+
+
+_PACKAGE = ROOT / "jaxslices"
+
+
+@pytest.mark.parametrize(
+    "module",
+    sorted(_PACKAGE.rglob("*.py")),
+    ids=lambda p: str(p.relative_to(_PACKAGE)),
+)
+def test_private_jax_names_only_in_the_compat_module(module):
+    name = str(module.relative_to(_PACKAGE))
+    if name in ("_jax_compat.py", "native/_hijax.py"):
+        return
+    code = _code_only(module)
+    if name.startswith("native/"):  # hi types define `mat` for lax.cond
+        code = code.replace("def mat", "").replace("_hijax.EMPTY_MAT", "")
+    found = [p for p in _PRIVATE if re.search(p, code)]
+    assert not found, f"{name} uses {found}: go through jaxslices/_jax_compat"
+
+
+# ------------------------------------------------- each entry taken away
+
+
+def test_top_level_nested_vmap_and_scan(off):
+    params, ids, y = _case(1)
+    ids3 = jnp.stack([ids, ids[::-1]])
+
+    def nested(p, ids3, y):
+        one = lambda p, i: _mesh.loss_fn(p, i, y)  # noqa: E731
+        return jnp.sum(jax.vmap(jax.vmap(one, (None, 0)), (None, 0))(p, ids3[:, None]))
+
+    def in_scan(p, ids3, y):
+        body = lambda c, i: (c + _mesh.loss_fn(p, i, y), None)  # noqa: E731
+        return jax.lax.scan(body, 0.0, ids3)[0]
+
+    for name, loss, args, sparse in (
+        ("top", _mesh.loss_fn, (ids, y), _sparse_expected("top", off)),
+        ("nested_vmap", nested, (ids3, y), _sparse_expected("nested_vmap", off)),
+        ("scan", in_scan, (ids3, y), False),
+    ):
+        ref = jax.grad(loss)(params, *args)
+        for f in (js.grad(loss), jax.jit(js.grad(loss))):
+            g = f(params, *args)
+            assert js.is_indexed_slices(g["emb"]) == sparse, (name, off)
+            _assert_grads_equal(g, ref)
+
+
+def test_without_trace_state_and_vmap_internals_everything_is_dense(monkeypatch):
+    monkeypatch.setitem(_jax_compat.AVAILABLE, "trace_state", False)
+    monkeypatch.setitem(_jax_compat.AVAILABLE, "vmap_internals", False)
+    params, ids, y = _case(2)
+    g = js.grad(_mesh.loss_fn)(params, ids, y)
+    assert not js.is_indexed_slices(g["emb"])
+    _assert_grads_equal(g, jax.grad(_mesh.loss_fn)(params, ids, y))
+
+
+def _shard_map_grads(params, ids, y):
+    """``js.grad`` per device inside ``shard_map(check_vma=True)``, ids sharded.
+
+    Returns every device's dense gradient (stacked), so that a device holding
+    a wrong one cannot hide behind a replicated output.
+    """
+    m = _mesh.mesh()
+    kinds = []
+
+    def per_device(params, ids, y):
+        g = js.grad(_mesh.loss_fn)(params, ids, y)
+        kinds.append(js.is_indexed_slices(g["emb"]))
+        return jax.tree.map(lambda x: x[None], js.to_dense(g))
+
+    f = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=m,
+            in_specs=(P(), P("data"), P("data")),
+            out_specs=P("data"),
+        )
+    )
+    return f(params, ids, y), kinds, f.lower(params, ids, y).compile()
+
+
+def _assert_every_device_equal(got, ref):
+    for k in range(8):
+        _assert_grads_equal(jax.tree.map(lambda x: x[k], got), ref)
+
+
+def test_value_and_grad_inside_shard_map_check_vma(off):
+    params, ids, y = _case(3)
+    got, kinds, compiled = _shard_map_grads(params, ids, y)
+    assert kinds == [_sparse_expected("shard_map", off)]
+    _assert_every_device_equal(got, _summed_over_devices(params, ids, y))
+    kinds_of = {c.kind for c in _hlo.collectives(compiled)}
+    if kinds[0] and off == "all_gather_invariant":  # the psum fallback ran
+        assert "all-gather" not in kinds_of and "all-reduce" in kinds_of
+    elif kinds[0]:
+        assert "all-gather" in kinds_of
+
+
+def test_plain_jax_grad_inside_shard_map_check_vma():
+    """The dense path every fallback lands on: JAX's gradient, summed over devices."""
+    m = _mesh.mesh()
+    params, ids, y = _case(7)
+    f = jax.jit(
+        jax.shard_map(
+            jax.grad(_mesh.loss_fn),
+            mesh=m,
+            in_specs=(P(), P("data"), P("data")),
+            out_specs=P(),
+        )
+    )
+    _assert_grads_equal(f(params, ids, y), _summed_over_devices(params, ids, y))
+
+
+def test_unknown_aval_layout_is_dense_never_no_axes(monkeypatch):
+    """An aval type this module does not know: the table is dense, not wrong.
+
+    Answering "no varying axes" here would tap every device's rows as if they
+    were the same and return one device's gradient under ``check_vma``.
+    """
+    real = jax.typeof
+
+    class Unknown:  # an aval of some future layout: no mat/manual_axis_type/vma
+        def __init__(self, aval):
+            self._aval = aval
+
+        def __getattr__(self, name):
+            if name in ("mat", "manual_axis_type", "vma"):
+                raise AttributeError(name)
+            return getattr(self._aval, name)
+
+    monkeypatch.setattr(jax, "typeof", lambda x: Unknown(real(x)))
+    assert _jax_compat.varying_axes(jnp.zeros(2)) is None
+    params, ids, y = _case(4)
+    got, kinds, _ = _shard_map_grads(params, ids, y)
+    assert kinds == [False]
+    _assert_every_device_equal(got, _summed_over_devices(params, ids, y))
+
+
+def test_data_parallel_jit_step(off):
+    m = _mesh.mesh()
+    num_rows = 2048  # well above the global batch, so table-sized is telling
+    tx = js.sgd(0.5)
+    params = _mesh.init_params(num_rows, D, 5)
+    ids, y = _mesh.batch(num_rows, B, L, seed=5)
+    ref = jax.jit(_mesh.make_step(tx))(params, tx.init(params), ids, y)
+    rep, bat = NamedSharding(m, P()), NamedSharding(m, P("data"))
+    args = (
+        jax.device_put(params, rep),
+        jax.device_put(tx.init(params), rep),
+        jax.device_put(ids, bat),
+        jax.device_put(y, bat),
+    )
+    compiled = jax.jit(_mesh.make_step(tx)).lower(*args).compile()
+    _mesh.assert_trees_close(compiled(*args), ref)
+    # The cost of the fallbacks, as documented: without the mesh (or its axis
+    # kinds) XLA lays out the SGD scatter itself and all-reduces the table;
+    # without varying_axes the gradient itself is dense.
+    big = _hlo.table_sized(compiled, num_rows, D)
+    slower = ("abstract_mesh", "axis_types", "varying_axes")
+    assert bool(big) == (off in slower), big
+
+
+def test_all_to_all_routing_on_a_2d_mesh(off):
+    # "model" x "data": the update all-gathers rows over the table's replicas.
+    m = _mesh.mesh((4, 2), ("model", "data"))
+    tx = js.adagrad(0.5)
+    params, ids, y = _case(6)
+    ref = jax.jit(_mesh.make_step(tx))(params, tx.init(params), ids, y)
+    route = dict(axis="model", routing="all_to_all", mesh=m)
+
+    def step(params, state, ids, y):
+        lookup = lambda t, i: js.sharded_lookup(t, i, **route)  # noqa: E731
+        loss, grads = js.value_and_grad(_mesh.loss_fn)(params, ids, y, lookup)
+        params, state = js.sharded_update(tx, grads, state, params, **route)
+        return params, state, loss
+
+    sharded = {
+        "emb": js.shard_rows(params["emb"], m, "model"),
+        "w": jax.device_put(params["w"], NamedSharding(m, P())),
+    }
+    bat = NamedSharding(m, P(("model", "data")))
+    out = jax.jit(step)(
+        sharded, js.sharded_init(tx, sharded), *jax.device_put((ids, y), bat)
+    )
+    _mesh.assert_trees_close(out, ref)
+
+
+def test_all_to_all_without_a_mesh_and_without_abstract_mesh_asks_for_one(
+    monkeypatch,
+):
+    monkeypatch.setitem(_jax_compat.AVAILABLE, "abstract_mesh", False)
+    m = _mesh.mesh((8,), ("model",))
+    table = js.shard_rows(jnp.ones((V, D)), m, "model")
+    ids = jax.device_put(jnp.zeros((8, 2), jnp.int32), NamedSharding(m, P("model")))
+    route = dict(axis="model", routing="all_to_all")
+    f = jax.jit(lambda t, i: js.sharded_lookup(t, i, **route))
+    with pytest.raises(ValueError, match="pass `mesh=`"):
+        f(table, ids)
+
+
+def test_typed_index_messages(off):
+    g = js.IndexedSlices(jnp.ones((3, 2)), jnp.array([0, 4, 4]), (4, 2))
+    child = jax.tree.leaves(g)[1]
+    named = rf"IndexedSlices(.|\n)*{re.escape('jaxslices.global_norm')}"
+    if off == "key_array_class":  # JAX's own error: still an error, no number
+        with pytest.raises((NotImplementedError, TypeError)) as info:
+            child.real  # noqa: B018
+        assert "IndexedSlices" not in str(info.value)
+    else:
+        with pytest.raises(TypeError, match=named):
+            child.real  # noqa: B018
+        with pytest.raises(TypeError, match=named):
+            child.astype(jnp.float32)
+    # Under jit JAX's own error names the fix, with or without the patch.
+    with pytest.raises(TypeError, match=named):
+        jax.jit(lambda g: jax.tree.map(lambda x: 2 * x, g))(g)
+    # Other keys are never touched.
+    with pytest.raises(NotImplementedError, match="abstract method"):
+        jax.random.key(0).real  # noqa: B018
+
+
+# ------------------------------------------------------------- version gates
+
+
+def test_key_array_patch_gate(monkeypatch):
+    """A class with the layout of JAX's key arrays, patched only where tested."""
+    calls = []
+
+    class Keys:
+        def __array__(self, dtype=None):
+            return np.zeros(1)
+
+        @property
+        def real(self):
+            raise NotImplementedError("Cannot call abstract method real")
+
+        real.fget.__isabstractmethod__ = True
+
+    def wrap(name, original):
+        def method(self, *a, **k):
+            calls.append(name)
+            return original(self, *a, **k)
+
+        return method
+
+    monkeypatch.setattr(_jax_compat, "JAX_VERSION", (0, 13, 0))  # untested
+    assert not _jax_compat.patch_key_array_class(Keys, wrap)
+    monkeypatch.setattr(_jax_compat, "JAX_VERSION", (0, 12, 0))
+    assert _jax_compat.patch_key_array_class(Keys, wrap)
+    np.asarray(Keys())
+    with pytest.raises(NotImplementedError):
+        Keys().real  # noqa: B018
+    assert calls == ["__array__", "real"]
+
+    class NotKeys:  # no abstract methods: not the layout, left alone
+        def __array__(self, dtype=None):
+            return np.zeros(1)
+
+    assert not _jax_compat.patch_key_array_class(NotKeys, wrap)
+    assert _typed_indices.MESSAGES_INSTALLED in (None, True)
+
+
+# ------------------------------------ entries added for checkpoints and checks
+
+
+def test_key_impl_names_resolve_to_the_typed_indices():
+    assert _typed_indices.NAMES_REGISTERED
+    for dtype, name in _typed_indices.NAMES.items():
+        words = 1 if dtype == _typed_indices.DTYPE32 else 2
+        got = jax.eval_shape(
+            lambda n=name, w=words: jax.random.wrap_key_data(
+                jnp.zeros((3, w), jnp.uint32), impl=n
+            )
+        )
+        assert got.dtype == dtype
+    # Registering again (a module reload) is accepted; a foreign tag is not.
+    assert _jax_compat.register_key_impl_names(_typed_indices.NAMES, _typed_indices.TAG)
+    assert not _jax_compat.register_key_impl_names(_typed_indices.NAMES, "other")
+
+
+def test_key_impl_names_off_registers_nothing(monkeypatch):
+    monkeypatch.setitem(_jax_compat.AVAILABLE, "key_impl_names", False)
+    assert not _jax_compat.register_key_impl_names(
+        _typed_indices.NAMES, _typed_indices.TAG
+    )
+
+
+@pytest.mark.parametrize("off", [False, True])
+def test_key_full_rule(monkeypatch, off):
+    """On: ones_like of typed ids raises, zeros_like touches no row. Off: JAX's
+    own rule runs (the ids become the fill value: what the entry prevents)."""
+    assert _typed_indices.FULL_RULE_INSTALLED
+    if off:
+        monkeypatch.setitem(_jax_compat.AVAILABLE, "key_full_rule", False)
+    s = js.IndexedSlices(jnp.ones((3, 2)), jnp.array([4, 2, 4]), (5, 2))
+    ones = jax.jit(lambda t: jax.tree.map(jnp.ones_like, t))
+    zeros = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t))
+    if off:
+        np.testing.assert_array_equal(ones(s).indices, [1, 1, 1])
+        np.testing.assert_array_equal(zeros(s).indices, [0, 0, 0])
+    else:
+        with pytest.raises(TypeError, match=r"IndexedSlices(.|\n)*tree_map_values"):
+            ones(s)
+        np.testing.assert_array_equal(zeros(s).indices, [-1, -1, -1])
+    other = jax.random.key(0)  # every other key dtype: JAX's rule
+    assert jax.random.key_data(jnp.zeros_like(other)).tolist() == [0, 0]
+
+
+def test_manual_axes_inside_and_outside_shard_map(monkeypatch):
+    m = _mesh.mesh((2, 4), ("a", "b"))
+    seen = []
+
+    def f(x):
+        seen.append(_jax_compat.manual_axes())
+        return x
+
+    jax.jit(jax.shard_map(f, mesh=m, in_specs=P(("a", "b")), out_specs=P(("a", "b"))))(
+        jnp.zeros(8)
+    )
+    assert seen == [("a", "b")]
+    assert _jax_compat.manual_axes() == ()
+    monkeypatch.setitem(_jax_compat.AVAILABLE, "manual_axes", False)
+    seen.clear()
+    jax.jit(jax.shard_map(f, mesh=m, in_specs=P(("a", "b")), out_specs=P(("a", "b"))))(
+        jnp.zeros(8) + 1
+    )
+    assert seen == [()]

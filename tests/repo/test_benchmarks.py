@@ -1,0 +1,168 @@
+"""Smoke tests: the benchmarks run end to end with tiny sizes, so they never rot."""
+
+import ast
+import importlib
+import inspect
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """Import a benchmark script as its command line does (siblings importable)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+
+    def load(name):
+        sys.modules.pop(name, None)
+        return importlib.import_module(name)
+
+    return load
+
+
+@pytest.mark.parametrize(
+    "optimizer", ["sgd", "clip_sgd", "adagrad", "adam", "rowwise_adagrad", "ftrl"]
+)
+def test_step_bench_smoke(bench, tmp_path, optimizer):
+    step_bench = bench("step_bench")
+    report = step_bench.main(
+        num_rows=(256,),
+        batch=8,
+        bag=4,
+        num_batches=2,
+        steps=2,
+        passes=1,
+        optimizers=(optimizer,),
+        out=str(tmp_path),
+    )
+    want = [p for p in step_bench.PATHS if step_bench.runs(p, optimizer)]
+    assert [r["path"] for r in report["rows"]] == want
+    for row in report["rows"]:
+        assert row["median_ms"] > 0 and row["steps_timed"] == 2
+        assert math.isfinite(row["final_loss"])
+        assert row["temp_bytes"] >= 0 and row["peak_rss_mb"] > 0
+        assert row["state_bytes"] >= 0
+    saved = json.loads((tmp_path / f"step_bench_{report['backend']}.json").read_text())
+    assert saved["table"] == report["table"]
+    has_floor = optimizer not in step_bench.NO_FLOOR
+    assert ("jaxslices / floor" in report["table"]) == has_floor
+    assert "js_sort / jaxslices" in report["table"]
+    assert (tmp_path / f"step_bench_{report['backend']}.png").stat().st_size > 1000
+    if optimizer == "sgd":
+        assert "V=256 SGD: jaxslices / floor <= 1.25" in [
+            t["target"] for t in report["targets"]
+        ]
+
+
+def test_step_bench_flags_temp_growth(bench):
+    step_bench = bench("step_bench")
+    rows = [
+        {
+            "num_rows": v,
+            "optimizer": "adam",
+            "path": p,
+            "temp_bytes": t,
+            "argument_bytes": a,
+        }
+        for v, p, t, a in [
+            (16, "dense", 100, 300),
+            (32, "dense", 200, 600),  # temp grows like the table: flagged
+            (16, "floor", 50, 300),
+            (32, "floor", 52, 600),  # a few bytes of layout: not flagged
+            (16, "jaxslices", 50, 300),
+            (32, "jaxslices", 50, 600),
+        ]
+    ]
+    assert step_bench.temp_growth(rows) == ["dense/adam"]
+
+
+def test_benchmarks_do_not_import_each_other():
+    """Shared code lives in _common.py; no script imports another script."""
+    scripts = {p.stem for p in BENCH.glob("*.py") if not p.stem.startswith("_")}
+    for path in BENCH.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = {
+            alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        } | {
+            node.module.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+        }
+        assert not imported & (scripts - {path.stem}), path.name
+
+
+def test_step_bench_selects_coalescing_through_the_public_argument(bench):
+    step_bench = bench("step_bench")
+    text = inspect.getsource(step_bench) + inspect.getsource(bench("coalesce_bench"))
+    assert "_coalesce_for_update" not in text and "jaxslices._" not in text
+    opt = step_bench._sparse_opt("clip_sgd", method="sort")
+    assert opt is not None
+
+
+def test_coalesce_bench_smoke(bench, tmp_path):
+    coalesce_bench = bench("coalesce_bench")
+    report = coalesce_bench.main(
+        num_rows=(256,),
+        n=64,
+        dim=4,
+        num_batches=2,
+        steps=2,
+        passes=1,
+        out=str(tmp_path),
+        check_results=False,  # test_coalesce_methods_agree_with_numpy does it
+    )
+    (row,) = report["results"]
+    timed = set(row["timings"])
+    assert set(coalesce_bench.METHODS) <= timed
+    assert {"sgd:raw", "sgd:hash", "sgd:library_hash"} <= timed
+    assert (tmp_path / f"coalesce_bench_{report['backend']}.json").exists()
+
+
+@pytest.mark.parametrize("num_rows", [300, 1 << 20])
+def test_coalesce_methods_agree_with_numpy(bench, num_rows):
+    """Every method, invalid ids included (``check`` asserts against NumPy)."""
+    coalesce_bench = bench("coalesce_bench")
+    rng = np.random.default_rng(1)
+    ids = (rng.zipf(1.2, size=200) % num_rows).astype(np.int32)
+    rows = rng.normal(size=(200, 3)).astype(np.float32)
+    for method in coalesce_bench.METHODS:
+        coalesce_bench.check(method, ids, rows, num_rows)
+
+
+def test_scatter_contention_smoke(bench):
+    scatter_contention = bench("scatter_contention")
+    report = scatter_contention.main(num_rows=(64,), batch=32, dim=4, steps=2)
+    (row,) = report["results"]
+    assert set(row["median_ms"]) == {"raw", "coalesced", "distinct_ids"}
+    assert row["distinct_ids"] <= 32
+
+
+def test_checks_cost_smoke(bench, tmp_path):
+    checks_cost = bench("checks_cost")
+    root = str(BENCH.parent)
+    report = checks_cost.main(
+        trees=(root,),
+        labels=("this",),
+        num_rows=256,
+        dim=4,
+        batch=16,
+        bag=2,
+        steps=2,
+        hlo_sizes=(512, 4, 16, 2),
+        out=str(tmp_path / "c.json"),
+    )
+    (run,) = report["runs"]
+    assert run["jaxslices"].startswith(root)
+    assert set(run["hlo"]) == set(checks_cost.HLO_STEPS)
+    assert run["hlo"]["sharded_all_to_all"]["all-to-all"] >= 2
+    assert all(math.isfinite(v) and v > 0 for v in run["median_ms"].values())
+    assert json.loads((tmp_path / "c.json").read_text())["runs"][0]["code"] == "this"

@@ -1,0 +1,397 @@
+"""Write the measured numbers quoted in README.md and docs/ from benchmarks/results/.
+
+Every number that README.md or a page in docs/ quotes from a measurement lives in
+a generated block::
+
+    <!-- BEGIN GENERATED: name -->
+    ...text made by the function registered as ``name`` below...
+    <!-- END GENERATED: name -->
+
+``python tools/render_docs.py`` rewrites every block from the JSON files in
+``benchmarks/results/`` (one dated folder per run, ``<yyyy-mm>-<backend>``);
+``--check`` only reports blocks that are out of date (exit status 1).
+``tests/repo/test_docs.py`` runs the check, so a results file and the prose
+quoting it cannot drift apart, and it refuses measured quantities (``12 ms``,
+``3.4x``, ``5 MB``) written by hand outside such blocks.
+
+Which results file each block quotes is :data:`SOURCES`, the one place to
+change when a new run replaces an old one; ``benchmarks/results/README.md``
+lists it in a generated block of its own (``results-sources``).
+
+To quote a new number: add a function here that reads it from a results file,
+register it in ``BLOCKS`` and its files in ``SOURCES``, put an empty block
+with its name in the page and run this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+RESULTS_README = "benchmarks/results/README.md"
+PAGES = [
+    "README.md",
+    *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("docs/*.md")),
+    RESULTS_README,
+]
+
+#: The results files (under ``benchmarks/results/``) each generated block quotes.
+SOURCES: dict[str, tuple[str, ...]] = {
+    "readme-benchmarks": (
+        "2026-11-cpu-rerun/step_bench_cpu.json",
+        "2026-11-gpu/step_bench_gpu.json",
+    ),
+    "readme-demo": ("2026-11-cpu/movielens.json",),
+    "examples-movielens": ("2026-11-cpu/movielens.json",),
+    "design-coalesce": (
+        "2026-11-cpu/coalesce_bench_cpu.json",
+        "2026-11-gpu/coalesce_bench_gpu.json",
+    ),
+    "densify-crossover": ("2026-11-cpu/step_bench_crossover_cpu.json",),
+    "design-typed-cost": ("2026-11-cpu/typed_indices_cost_cpu.json",),
+    "design-checks-cost": ("2026-11-cpu/checks_cost_cpu.json",),
+}
+
+_BLOCK = re.compile(
+    r"(<!-- BEGIN GENERATED: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)"
+    r"(<!-- END GENERATED: (?P=name) -->)",
+    re.S,
+)
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _median_ms(rows: list[dict], num_rows: int, optimizer: str, path: str) -> float:
+    for r in rows:
+        if (r["num_rows"], r["optimizer"], r["path"]) == (num_rows, optimizer, path):
+            return r["median_ms"]
+    raise KeyError(f"no row V={num_rows} optimizer={optimizer} path={path}")
+
+
+def _rows_label(v: int) -> str:
+    if v % (1 << 20) == 0:
+        return f"{v >> 20}M"
+    if v % (1 << 10) == 0:
+        return f"{v >> 10}K"
+    return str(v)
+
+
+def readme_benchmarks() -> str:
+    """The README's summary of the step benchmark (CPU and GPU runs)."""
+    cpu_file, gpu_file = SOURCES["readme-benchmarks"]
+    cpu = load(cpu_file)  # the newest CPU run
+    rows = cpu["rows"]
+    big = max(r["num_rows"] for r in rows)
+
+    def ratio(opt, a, b):
+        return _median_ms(rows, big, opt, a) / _median_ms(rows, big, opt, b)
+
+    sgd_speedup = ratio("sgd", "dense", "jaxslices")
+    sgd_floor = ratio("sgd", "jaxslices", "floor")
+    adam_speedup = ratio("adam", "dense", "jaxslices")
+    text = (
+        f"A training step (1024 x 16 Zipf ids, `V x 64` table) with jaxslices costs\n"
+        f"what the batch touches. On a {cpu.get('nproc', 2)}-core CPU "
+        f"(`{cpu_file}`), at V = {_rows_label(big)}\n"
+        f"SGD is {sgd_speedup:.0f}x faster than the dense Optax path and "
+        f"{sgd_floor:.2f}x the time of a\n"
+        f"hand-written sparse step; lazy Adam is {adam_speedup:.0f}x faster than "
+        f"dense Adam (a shared, loaded machine: the dense\n"
+        f"times are the noisiest; see `benchmarks/RESULTS.md`)."
+    )
+    if (RESULTS / gpu_file).exists():
+        gpu = load(gpu_file)
+        js = [r for r in gpu["rows"] if r["path"] == "jaxslices"]
+        vs = sorted({r["num_rows"] for r in js})
+        lo = min(r["median_ms"] for r in js)
+        hi = max(r["median_ms"] for r in js)
+        text += (
+            f"\nOn an {gpu.get('device', 'GPU')} (`{gpu_file}`, an earlier "
+            f"version of the library) every "
+            f"jaxslices optimizer takes\n"
+            f"{lo:.2f}-{hi:.2f} ms per step from V = {_rows_label(vs[0])} to "
+            f"{_rows_label(vs[-1])}."
+        )
+    return text + "\n"
+
+
+def design_coalesce() -> str:
+    """docs/design.md: the coalescing timings behind the default methods."""
+    out = []
+    labels = {"cpu": "2 CPU cores", "gpu": "an H100"}
+    for name in SOURCES["design-coalesce"]:
+        if not (RESULTS / name).exists():
+            continue
+        data = load(name)
+        label, res = labels[data["backend"]], data["results"]
+        t = {k: [] for k in res[0]["timings"]}
+        for r in res:
+            for k, v in r["timings"].items():
+                t.setdefault(k, []).append(v["median_ms"])
+        med = {k: statistics.median(v) for k, v in t.items() if v}
+        parts = ", ".join(
+            f"{k} {med[k]:.2f} ms"
+            for k in ("library", "pair_sort", "unique", "hash")
+            if k in med
+        )
+        n = res[0]["n"]
+        dim = res[0]["dim"]
+        out.append(
+            f"* {label} (`{name}`, {n} x {dim} Zipf ids, "
+            f"median over table sizes): {parts}."
+        )
+    return "\n".join(out) + "\n"
+
+
+def densify_crossover() -> str:
+    """Where `densify()` stops paying off (the crossover run of step_bench)."""
+    (name,) = SOURCES["densify-crossover"]
+    d = load(name)
+    med: dict[tuple[int, str], dict[str, float]] = {}
+    for r in d["rows"]:
+        med.setdefault((r["num_rows"], r["optimizer"]), {})[r["path"]] = r["median_ms"]
+    sizes = sorted({v for v, _ in med})
+    opts = sorted({o for _, o in med})
+    wins = {
+        v: [o for o in opts if med[(v, o)]["densify"] < med[(v, o)]["jaxslices"]]
+        for v in sizes
+    }
+    all_win = [v for v in sizes if len(wins[v]) == len(opts)]
+    none_win = [v for v in sizes if not wins[v]]
+    lines = [
+        f"Measured on {d.get('nproc', 2)} CPU cores for {d['workload']['dim']}-wide "
+        f"float32 rows (`{name}`, "
+        f"{', '.join(o.replace('_', ' + ') for o in opts)}):"
+    ]
+    for v in sizes:
+        ratios = ", ".join(
+            f"{o} {med[(v, o)]['jaxslices'] / med[(v, o)]['densify']:.2f}x"
+            for o in opts
+        )
+        lines.append(f"* V = {_rows_label(v)}: densify speed-up {ratios}")
+    if all_win and none_win:
+        lines.append(
+            f"\nSo `densify` pays off up to about {_rows_label(max(all_win))} rows "
+            f"and loses from {_rows_label(min(none_win))} rows on; use it "
+            f"(`max_rows={max(all_win)}`) for tables of at most that many rows."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _load(env: dict) -> str:
+    load = env.get("load_average_1min")
+    return "" if load is None else f"; load average {load:.1f} at the start"
+
+
+def examples_movielens() -> str:
+    """docs/examples.md: the demo's run (``python examples/demo.py --out ...``)."""
+    (name,) = SOURCES["examples-movielens"]
+    r = load(name)
+    st, env, big = r["settings"], r["environment"], r["large"]
+    s, d = r["sparse"], r["dense"]
+    return (
+        f"{r['dataset']}, {r['num_ratings']} ratings ({r['num_users']} users, "
+        f"{r['num_items']} items), {s['steps']} steps of {st['batch_size']} "
+        f"ratings ({st['epochs']} epochs), dimension {st['dim']}, L2 {st['reg']} "
+        f"on the looked-up rows, {r['optimizer']}; jax {env['jax']} on "
+        f"{env['cpus']} CPU cores (`benchmarks/results/{name}`, "
+        f"{r['seconds']:.0f} s of training and timing{_load(env)}):\n\n"
+        "| model | test RMSE |\n|---|---|\n"
+        f"| global mean | {r['global_mean_rmse']:.4f} |\n"
+        f"| per-item mean (shrunk) | {r['item_mean_rmse']:.4f} |\n"
+        f"| MF, jaxslices (sparse) | **{s['test_rmse']:.4f}** |\n"
+        f"| MF, Optax (dense) | **{d['test_rmse']:.4f}** |\n\n"
+        f"The two loss curves differ by at most {r['max_loss_gap']:.1e} over "
+        f"{s['steps']} steps.\n\n"
+        "| median ms per step | jaxslices | dense Optax | speed-up |\n"
+        "|---|---|---|---|\n"
+        f"| MovieLens tables ({r['num_items']} item rows) | "
+        f"{s['median_step_ms']:.2f} | {d['median_step_ms']:.2f} | "
+        f"{d['median_step_ms'] / s['median_step_ms']:.1f}x |\n"
+        f"| item tables grown to {big['item_rows']:,} rows ({big['steps']} steps) "
+        f"| {big['sparse']['median_step_ms']:.2f} | "
+        f"{big['dense']['median_step_ms']:.2f} | {big['speedup']:.0f}x |\n"
+    )
+
+
+def readme_demo() -> str:
+    """README: what the demo prints (its run in benchmarks/results/)."""
+    (name,) = SOURCES["readme-demo"]
+    r = load(name)
+    s, big = r["sparse"], r["large"]
+    return (
+        f"It prints (`benchmarks/results/{name}`, "
+        f"{r['environment']['cpus']} CPU cores{_load(r['environment'])}): "
+        f"test RMSE {s['test_rmse']:.4f} "
+        f"for jaxslices and {r['dense']['test_rmse']:.4f} for dense Optax (item-mean "
+        f"baseline {r['item_mean_rmse']:.4f}); with {big['item_rows']:,}-row item "
+        f"tables a jaxslices step takes {big['sparse']['median_step_ms']:.2f} ms, "
+        f"a dense Optax step {big['dense']['median_step_ms']:.1f} ms "
+        f"({big['speedup']:.0f}x). Details: [docs/examples.md](docs/examples.md).\n"
+    )
+
+
+def design_typed_cost() -> str:
+    """docs/design.md: step time with plain vs typed indices (typed_indices_cost)."""
+    d = load(SOURCES["design-typed-cost"][0])
+    lines = [
+        "| run | code | SGD jaxslices | SGD floor | ratio | clip+SGD jaxslices "
+        "| clip+SGD floor | ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for r in d["runs"]:
+        sgd = r["sgd_jaxslices_ms"] / r["sgd_floor_ms"]
+        clip = r["clip_sgd_jaxslices_ms"] / r["clip_sgd_floor_ms"]
+        ratios.setdefault(r["code"], {"sgd": [], "clip": []})
+        ratios[r["code"]]["sgd"].append(sgd)
+        ratios[r["code"]]["clip"].append(clip)
+        lines.append(
+            f"| {r['run']} | {r['code']} | {r['sgd_jaxslices_ms']:.2f} | "
+            f"{r['sgd_floor_ms']:.2f} | {sgd:.2f}x | {r['clip_sgd_jaxslices_ms']:.2f} "
+            f"| {r['clip_sgd_floor_ms']:.2f} | {clip:.2f}x |"
+        )
+    med = {
+        code: {k: statistics.median(v) for k, v in rs.items()}
+        for code, rs in ratios.items()
+    }
+    lines.append("")
+    lines.append(
+        "Median ratio over the runs: SGD "
+        + ", ".join(f"{med[c]['sgd']:.2f}x ({c})" for c in med)
+        + "; clip+SGD "
+        + ", ".join(f"{med[c]['clip']:.2f}x ({c})" for c in med)
+        + "."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def design_checks_cost() -> str:
+    """docs/design.md: HLO and step time of the run-time checks (checks_cost)."""
+    d = load(SOURCES["design-checks-cost"][0])
+    runs = d["runs"]
+    codes = list(dict.fromkeys(r["code"] for r in runs))
+    base, new = codes[0], codes[-1]
+    hlo = {c: next(r["hlo"] for r in runs if r["code"] == c) for c in codes}
+    same = [k for k in hlo[base] if hlo[base][k]["sha256"] == hlo[new][k]["sha256"]]
+    changed = []
+    for k in hlo[base]:
+        if k in same:
+            continue
+        delta = [
+            f"{hlo[new][k][op] - hlo[base][k][op]:+d} {op}"
+            for op in ("all-reduce", "all-gather", "all-to-all", "conditional")
+            if hlo[new][k][op] != hlo[base][k][op]
+        ]
+        changed.append(f"`{k}` ({', '.join(delta) or 'same op counts'})")
+    steps = list(runs[0]["median_ms"])
+    lines = [
+        f"Compiled HLO identical in `{base}` and `{new}`: "
+        + ", ".join(f"`{k}`" for k in same)
+        + ". Changed: "
+        + ", ".join(changed)
+        + ".",
+        "",
+        "| run | code | " + " | ".join(steps) + " |",
+        "| --- | --- |" + " --- |" * len(steps),
+    ]
+    for r in runs:
+        cells = " | ".join(f"{r['median_ms'][k]:.2f}" for k in steps)
+        lines.append(f"| {r['run']} | {r['code']} | {cells} |")
+    med = {
+        c: {
+            k: statistics.median(r["median_ms"][k] for r in runs if r["code"] == c)
+            for k in steps
+        }
+        for c in codes
+    }
+    lines.append("")
+    lines.append(
+        "Median over the runs: "
+        + "; ".join(
+            f"`{k}` " + ", ".join(f"{med[c][k]:.2f} ({c})" for c in codes)
+            for k in steps
+        )
+        + "."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def results_sources() -> str:
+    """benchmarks/results/README.md: which run each generated block quotes."""
+    lines = ["| block | quoted in | results files |", "| --- | --- | --- |"]
+    for name, files in SOURCES.items():
+        tag = f"<!-- BEGIN GENERATED: {name} -->"
+        pages = [p for p in PAGES if tag in (ROOT / p).read_text()]
+        where = ", ".join(f"`{p}`" for p in pages) or "(no page)"
+        lines.append(f"| `{name}` | {where} | {', '.join(f'`{f}`' for f in files)} |")
+    return "\n".join(lines) + "\n"
+
+
+BLOCKS: dict[str, Callable[[], str]] = {
+    "results-sources": results_sources,
+    "design-checks-cost": design_checks_cost,
+    "readme-demo": readme_demo,
+    "examples-movielens": examples_movielens,
+    "design-typed-cost": design_typed_cost,
+    "densify-crossover": densify_crossover,
+    "readme-benchmarks": readme_benchmarks,
+    "design-coalesce": design_coalesce,
+}
+
+
+def render(text: str, page: str) -> str:
+    def sub(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in BLOCKS:
+            raise KeyError(
+                f"{page}: generated block {name!r} has no renderer in "
+                f"tools/render_docs.py (known: {sorted(BLOCKS)})"
+            )
+        return m.group(1) + BLOCKS[name]() + m.group(4)
+
+    return _BLOCK.sub(sub, text)
+
+
+def stale_pages() -> list[str]:
+    """Pages whose generated blocks differ from what the results files give."""
+    stale = []
+    for page in PAGES:
+        text = (ROOT / page).read_text()
+        if render(text, page) != text:
+            stale.append(page)
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--check", action="store_true", help="report stale blocks, write nothing"
+    )
+    args = parser.parse_args(argv)
+    if args.check:
+        stale = stale_pages()
+        for page in stale:
+            print(f"{page}: generated blocks are out of date", file=sys.stderr)
+        return 1 if stale else 0
+    for page in PAGES:
+        path = ROOT / page
+        text = path.read_text()
+        new = render(text, page)
+        if new != text:
+            path.write_text(new)
+            print(f"rewrote {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
