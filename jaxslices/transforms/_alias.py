@@ -446,6 +446,13 @@ class FtrlState(_FtrlFields):
         return jax.tree.map(lambda x: unpack(x, 2)[1], self.n_z)
 
 
+def _power(x: jax.Array, k: ArrayLike) -> jax.Array:
+    """``x ** k``; the paper's ``k = 0.5`` as a square root (cheaper, as exact)."""
+    if isinstance(k, (int, float)) and k == 0.5:
+        return jnp.sqrt(x)
+    return jnp.power(x, k)
+
+
 def _check_nonnegative(**kwargs: Any) -> None:
     for name, value in kwargs.items():
         if isinstance(value, (int, float)) and value < 0:
@@ -567,8 +574,8 @@ def ftrl(
             g = g.astype(p.dtype)
             k = -learning_rate_power
             n_new = n + jnp.square(g)
-            pow_new = jnp.power(n_new, k)
-            sigma_p = (pow_new - jnp.power(n, k)) / lr * p
+            pow_new = _power(n_new, k)
+            sigma_p = (pow_new - _power(n, k)) / lr * p
             z_new = z + (g + 2 * l2_shrinkage * p) - sigma_p
             q = pow_new / lr + 2 * (l2 + beta / (2.0 * lr))
             p_new = (jnp.clip(z_new, -l1, l1) - z_new) / q
