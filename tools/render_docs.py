@@ -57,7 +57,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "densify-crossover": ("2026-11-cpu/step_bench_crossover_cpu.json",),
     "design-typed-cost": ("2026-11-cpu/typed_indices_cost_cpu.json",),
     "design-checks-cost": ("2026-11-cpu/checks_cost_cpu.json",),
-    "optimizer-floor": ("2026-12-cpu/optimizer_floor_bench_cpu.json",),
+    "optimizer-floor": ("2026-11-cpu-floor/optimizer_floor_bench_cpu.json",),
 }
 
 _BLOCK = re.compile(
