@@ -21,6 +21,7 @@ jaxslices`` imports neither Flax nor Equinox):
 from importlib.metadata import PackageNotFoundError, version
 
 from . import _checkpoint, _moved, transforms
+from . import capacity as capacity
 from . import sharding as sharding
 from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
@@ -70,6 +71,7 @@ from .transforms import scale_by_rss as scale_by_rss
 from .transforms import scale_by_schedule as scale_by_schedule
 from .transforms import sgd as sgd
 from .transforms import trace as trace
+from .transforms import upgrade_state as upgrade_state
 from .tree import tree_add as tree_add
 from .tree import tree_map_values as tree_map_values
 from .tree import tree_pmean as tree_pmean
@@ -119,6 +121,7 @@ __all__ = [
     "tree_psum",
     "tree_scale",
     "apply_updates",
+    "capacity",
     "sharding",
     "shard_rows",
     "sharded_init",

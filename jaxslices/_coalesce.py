@@ -104,54 +104,63 @@ def rows_where(mask: jax.Array, ndim: int) -> jax.Array:
 
 
 def coalesce_rows(
-    values: jax.Array, idx: jax.Array, num_rows: int, method: str
-) -> tuple[jax.Array, jax.Array]:
-    """Sum the rows of duplicate ids: ``(summed values, unique ids)``, ``N`` each.
+    values: jax.Array,
+    idx: jax.Array,
+    num_rows: int,
+    method: str,
+    size: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sum the rows of duplicate ids: ``(summed values, unique ids, count)``.
 
     Args:
       values: ``[N, ...]`` rows.
       idx: ``[N]`` safe ids (every invalid one is ``num_rows``).
       num_rows: ``V``, the padding id.
       method: one of :data:`METHODS` (module docstring).
+      size: the number of slots of the result (``None``: ``N``). Distinct ids
+        past ``size`` are left out (their rows are dropped): the caller
+        compares ``count`` with ``size`` and raises.
 
     Returns:
-      The distinct valid ids first (sorted unless ``method`` is in
-      ``UNSORTED_OK``) with their summed rows, in ``values``' dtype (summed in
-      :func:`sum_dtype`), then padding: id ``num_rows``, values zero.
+      ``size`` slots: the distinct valid ids first (sorted unless ``method``
+      is in ``UNSORTED_OK``) with their summed rows, in ``values``' dtype
+      (summed in :func:`sum_dtype`), then padding: id ``num_rows``, values
+      zero; and ``count``, the number of distinct valid ids (int32 scalar).
 
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxslices import _coalesce
-      >>> _coalesce.coalesce_rows(jnp.array([1., 2., 3.]), jnp.array([4, 1, 4]),
-      ...                         5, "sort")
-      (Array([2., 4., 0.], dtype=float32), Array([1, 4, 5], dtype=int32))
+      >>> summed, ids, count = _coalesce.coalesce_rows(
+      ...     jnp.array([1., 2., 3.]), jnp.array([4, 1, 4]), 5, "sort")
+      >>> summed, ids, int(count)
+      (Array([2., 4., 0.], dtype=float32), Array([1, 4, 5], dtype=int32), 2)
     """
     v = num_rows
+    size = idx.shape[0] if size is None else int(size)
     summing = values.astype(sum_dtype(values.dtype))
-    gpu = {"cuda": _by_pair_sort, "rocm": _by_pair_sort}
+    pair = functools.partial(_by_pair_sort, num_rows=v, size=size)
+    by_sort = functools.partial(_by_id_sort, num_rows=v, size=size)
+    by_hash = functools.partial(_by_hash, num_rows=v, size=size)
+    gpu = {"cuda": pair, "rocm": pair}
     if method == "pair_sort":
-        summed, unique_idx = _by_pair_sort(summing, idx)
+        summed, unique_idx, count = pair(summing, idx)
     elif method == "sort":
-        summed, unique_idx = jax.lax.platform_dependent(
-            summing, idx, **gpu, default=_by_id_sort
+        summed, unique_idx, count = jax.lax.platform_dependent(
+            summing, idx, **gpu, default=by_sort
         )
     elif method == "hash":
-        summed, unique_idx = jax.lax.platform_dependent(
-            summing, idx, **gpu, default=functools.partial(_by_hash, num_rows=v)
+        summed, unique_idx, count = jax.lax.platform_dependent(
+            summing, idx, **gpu, default=by_hash
         )
     else:  # auto
-        summed, unique_idx = jax.lax.platform_dependent(
-            summing,
-            idx,
-            **gpu,
-            cpu=functools.partial(_by_hash, num_rows=v),
-            default=_by_id_sort,
+        summed, unique_idx, count = jax.lax.platform_dependent(
+            summing, idx, **gpu, cpu=by_hash, default=by_sort
         )
     unique_idx = jnp.minimum(unique_idx, v).astype(idx.dtype)
     # Padding slots (index V) may hold the sum of padding/invalid rows: zero.
     pad = rows_where(unique_idx == v, summed.ndim)
     summed = jnp.where(pad, jnp.zeros((), summed.dtype), summed)
-    return summed.astype(values.dtype), unique_idx
+    return summed.astype(values.dtype), unique_idx, count
 
 
 # --------------------------------------------------- runs of duplicate ids
@@ -226,31 +235,42 @@ def unique_with_inverse(ids: jax.Array, sentinel: int) -> tuple[jax.Array, jax.A
 
 # ------------------------------------------------------------ the algorithms
 # Each takes (values [N, ...] in the summing dtype, safe indices [N] with every
-# invalid slot at V) and returns (summed rows [N, ...], unique ids [N]) with the
-# distinct valid ids first and ids >= V (clamped by the caller) after them.
+# invalid slot at V) and returns (summed rows [size, ...], unique ids [size],
+# the number of distinct valid ids) with the distinct valid ids first and ids
+# >= V (clamped by the caller) after them; segments past ``size`` are dropped.
 
 
-def _by_id_sort(values: jax.Array, idx: jax.Array):
+def _by_id_sort(values: jax.Array, idx: jax.Array, num_rows: int, size: int):
     """Sort the ids alone, rank each slot's id, segment-sum unsorted.
 
     XLA's CPU sort of (id, position) pairs plus permuting the rows costs ~5x
     more than sorting the ids and binary-searching each id's first position.
     """
-    n = idx.shape[0]
     sorted_idx = jnp.sort(idx)
-    segment_of_sorted = _segments(sorted_idx)
+    starts = run_starts(sorted_idx)
+    segment_of_sorted = jnp.cumsum(starts.astype(jnp.int32)) - 1
     first = jnp.searchsorted(sorted_idx, idx, side="left", method="scan")
-    summed = _segment_sum_by_scatter(values, segment_of_sorted[first], n)
-    return summed, _unique_ids(sorted_idx, segment_of_sorted, n)
+    summed = _segment_sum_by_scatter(values, segment_of_sorted[first], size)
+    count = _count_valid_runs(sorted_idx, starts, num_rows)
+    return summed, _unique_ids(sorted_idx, segment_of_sorted, size), count
 
 
-def _by_pair_sort(values: jax.Array, idx: jax.Array):
+def _by_pair_sort(values: jax.Array, idx: jax.Array, num_rows: int, size: int):
     """Stable sort of (id, position), then a fixed-tree segmented scan."""
-    n = idx.shape[0]
     sorted_idx, perm = sort_pairs(idx)
-    segment = _segments(sorted_idx)
-    summed = _segment_sum_by_scan(values[perm], segment, n)
-    return summed, _unique_ids(sorted_idx, segment, n)
+    starts = run_starts(sorted_idx)
+    segment = jnp.cumsum(starts.astype(jnp.int32)) - 1
+    summed = _segment_sum_by_scan(values[perm], segment, size)
+    count = _count_valid_runs(sorted_idx, starts, num_rows)
+    return summed, _unique_ids(sorted_idx, segment, size), count
+
+
+def _count_valid_runs(sorted_idx: jax.Array, starts: jax.Array, num_rows: int):
+    """Distinct valid ids of sorted safe ids (every invalid one is ``V``, last)."""
+    if sorted_idx.shape[0] == 0:
+        return jnp.zeros((), jnp.int32)
+    runs = jnp.sum(starts.astype(jnp.int32))
+    return runs - (sorted_idx[-1] >= num_rows).astype(jnp.int32)
 
 
 def _hash_representatives(idx: jax.Array, valid: jax.Array) -> jax.Array:
@@ -282,7 +302,7 @@ def _hash_representatives(idx: jax.Array, valid: jax.Array) -> jax.Array:
     return rep
 
 
-def _by_hash(values: jax.Array, idx: jax.Array, num_rows: int):
+def _by_hash(values: jax.Array, idx: jax.Array, num_rows: int, size: int):
     """Representatives by hashing, rows summed straight into compact slots."""
     n = idx.shape[0]
     valid = idx < num_rows  # safe indices: every invalid slot is V
@@ -290,11 +310,13 @@ def _by_hash(values: jax.Array, idx: jax.Array, num_rows: int):
     iota = jnp.arange(n, dtype=jnp.int32)
     is_rep = valid & (rep == iota)
     pos = jnp.cumsum(is_rep.astype(jnp.int32)) - 1  # compact position of each id
-    segment = jnp.where(valid, pos[rep], n)  # invalid slots: dropped
-    summed = _segment_sum_by_scatter(values, segment, n)
+    segment = jnp.where(valid, pos[rep], size)  # invalid slots: dropped
+    summed = _segment_sum_by_scatter(values, segment, size)
     pad = jnp.iinfo(idx.dtype).max
-    unique = jnp.full((n,), pad, idx.dtype)
-    return summed, unique.at[jnp.where(is_rep, pos, n)].set(idx, mode="drop")
+    unique = jnp.full((size,), pad, idx.dtype)
+    unique = unique.at[jnp.where(is_rep, pos, size)].set(idx, mode="drop")
+    count = pos[-1] + 1 if n else jnp.zeros((), jnp.int32)
+    return summed, unique, count
 
 
 def _unique_ids(sorted_idx: jax.Array, segment: jax.Array, n: int) -> jax.Array:

@@ -312,6 +312,8 @@ def sharded_lookup(
         shard per lookup. ``None``: the device's whole batch (never overflows;
         as many bytes as ``"masked"``). A smaller value cuts communication to
         ``devices x capacity`` rows; overflow raises at run time.
+        :func:`jaxslices.capacity.estimate_all_to_all_capacity` estimates it
+        from sample batches.
       mesh: the mesh; ``None``: the one the table is placed on (under ``jit``).
 
     Returns:
@@ -425,6 +427,7 @@ def sharded_update(
       routing: ``"masked"`` or ``"all_to_all"``.
       capacity: ``"all_to_all"`` only: distinct ids a device may send to one
         shard; ``None``: its whole part of the batch (never overflows).
+        :func:`jaxslices.capacity.estimate_all_to_all_capacity` estimates it.
       mesh: the mesh; ``None``: the one the parameters are placed on.
 
     Returns:

@@ -33,6 +33,7 @@ Conventions (see ``docs/design.md``):
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -41,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _coalesce, _ids, _layout, _typed_indices
+from . import _coalesce, _errors, _ids, _layout, _typed_indices
 
 __all__ = [
     "IndexedSlices",
@@ -326,9 +327,11 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
         """Cast ``values`` to ``dtype`` (indices unchanged)."""
         return _replace_values(self, self.values.astype(dtype))
 
-    def coalesce(self, *, method: str = "sort") -> IndexedSlices:
+    def coalesce(
+        self, *, method: str = "sort", max_distinct: int | None = None
+    ) -> IndexedSlices:
         """See :func:`jaxslices.coalesce`."""
-        return coalesce(self, method=method)
+        return coalesce(self, method=method, max_distinct=max_distinct)
 
     # -- arithmetic -----------------------------------------------------------
     def _scale(self, c: Any, op, opname: str) -> IndexedSlices:
@@ -568,7 +571,9 @@ def concatenate(slices: Sequence[IndexedSlices]) -> IndexedSlices:
     )
 
 
-def coalesce(s: IndexedSlices, *, method: str = "sort") -> IndexedSlices:
+def coalesce(
+    s: IndexedSlices, *, method: str = "sort", max_distinct: int | None = None
+) -> IndexedSlices:
     """Sum duplicate indices: unique indices, same static size ``N``.
 
     The result has the same dense equivalent. Its first ``u`` slots hold the
@@ -592,6 +597,14 @@ def coalesce(s: IndexedSlices, *, method: str = "sort") -> IndexedSlices:
           appearance (on GPU: ``"sort"``); about 2x faster on CPU.
         * ``"auto"``: the fastest measured per platform, sorted or not
           (``"hash"`` on CPU, ``"sort"`` elsewhere); what the transforms use.
+      max_distinct: a static bound on the number of distinct valid indices:
+        the result has ``min(max_distinct, N)`` slots instead of ``N``, so
+        whatever consumes it (a scatter, an optimizer's state rows) works on
+        fewer rows. More distinct indices than that raise a ``ValueError``
+        (eagerly; under ``jit`` a ``JaxRuntimeError`` with the same message,
+        on every device of a mesh): nothing is dropped silently.
+        :func:`jaxslices.capacity.estimate_max_distinct` estimates it from
+        sample batches.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -603,19 +616,84 @@ def coalesce(s: IndexedSlices, *, method: str = "sort") -> IndexedSlices:
       >>> h = jaxslices.coalesce(s, method="hash")  # first appearance: 4, then 1
       >>> h.indices, h.values, h.unique_indices, h.indices_sorted
       (Array([4, 1, 5], dtype=int32), Array([4., 2., 0.], dtype=float32), True, False)
+      >>> jaxslices.coalesce(s, max_distinct=2).indices  # two slots
+      Array([1, 4], dtype=int32)
     """
     check_slices(s, "coalesce")
     _coalesce.check_method(method, "jaxslices.coalesce")
+    size = check_max_distinct(max_distinct, "jaxslices.coalesce")
+    return coalesce_bounded(s, method, size, "jaxslices.coalesce")
+
+
+def check_max_distinct(max_distinct: Any, where: str) -> int | None:
+    """``max_distinct`` as a positive int or ``None``; anything else raises."""
+    if max_distinct is None:
+        return None
+    ok = isinstance(max_distinct, (int, np.integer)) and not isinstance(
+        max_distinct, bool
+    )
+    if not ok or max_distinct < 1:
+        raise ValueError(
+            f"{where}: `max_distinct` must be a positive int (a static bound on "
+            f"the distinct rows of one gradient) or None, got {max_distinct!r}. "
+            "jaxslices.capacity.estimate_max_distinct(sample_ids) estimates one."
+        )
+    return int(max_distinct)
+
+
+def _too_many_rows(count: int, *, size: int, where: str) -> ValueError:
+    return ValueError(
+        f"{where}: this step's gradient touches {count} distinct rows, more "
+        f"than max_distinct={size}. Nothing was dropped: the step stops here. "
+        f"Pass max_distinct >= {count} (a margin above the largest count seen; "
+        "jaxslices.capacity.estimate_max_distinct(sample_ids, margin=...) "
+        "estimates one from sample batches), or max_distinct=None (one slot per "
+        "lookup, which never overflows)."
+    )
+
+
+def coalesce_bounded(
+    s: IndexedSlices, method: str, size: int | None, where: str
+) -> IndexedSlices:
+    """:func:`coalesce` into ``min(size, N)`` slots; more distinct rows raise.
+
+    ``where`` names the caller in the overflow message. Slices that are
+    coalesced already (distinct valid indices first, padding after) are cut
+    to ``size`` slots (after checking that the cut slots are padding).
+    """
     unsorted_ok = method in _coalesce.UNSORTED_OK
+    n = s.num_slices
+    size = n if size is None else min(size, n)
     if s.unique_indices and (s.indices_sorted or unsorted_ok):
-        return s  # coalesced already: free
-    if s.num_slices == 0:
+        if size == n:
+            return s  # coalesced already: free
+        count = jnp.sum(valid_mask(s).astype(jnp.int32))
+        kept = _build(s.values[:size], s._indices[:size], s.dense_shape)
+        return _guard_count(kept, count, size, where, s.indices_sorted)
+    if n == 0:
         return s
-    values, indices = _coalesce.coalesce_rows(
-        s.values, safe_indices(s), s.dense_shape[0], method
+    values, indices, count = _coalesce.coalesce_rows(
+        s.values, safe_indices(s), s.dense_shape[0], method, size
     )
     out = IndexedSlices(values, indices, s.dense_shape)
-    return _with_flags(out, unique_indices=True, indices_sorted=not unsorted_ok)
+    if size == n:  # every distinct row fits: nothing to check
+        return _with_flags(out, unique_indices=True, indices_sorted=not unsorted_ok)
+    return _guard_count(out, count, size, where, not unsorted_ok)
+
+
+def _guard_count(
+    s: IndexedSlices, count: Any, size: int, where: str, sorted_: bool
+) -> IndexedSlices:
+    """``s`` (coalesced), its indices guarded by ``count <= size``."""
+    indices = _errors.raise_if(
+        count > size,
+        s.indices,
+        functools.partial(_too_many_rows, size=size, where=where),
+        count,
+        like=(s.values,),
+    )
+    out = IndexedSlices(s.values, indices, s.dense_shape)
+    return _with_flags(out, unique_indices=True, indices_sorted=sorted_)
 
 
 def sparse_mask(s: IndexedSlices, mask_indices: Any) -> IndexedSlices:
@@ -708,8 +786,12 @@ def scatter_add(x: jax.Array, s: IndexedSlices) -> jax.Array:
       >>> jaxslices.scatter_add(jnp.zeros(3), s)
       Array([0., 2., 0.], dtype=float32)
     """
+    # Coalesced slices (distinct valid ids; padding is out of bounds, so
+    # dropped) promise XLA unique (and maybe sorted) indices: a cheaper scatter.
+    flags = {"unique_indices": s.unique_indices, "indices_are_sorted": s.indices_sorted}
     x, s = _check_target(x, s, "scatter_add")
-    return x.at[safe_indices(s)].add(s.values.astype(x.dtype), mode="drop")
+    values = s.values.astype(x.dtype)
+    return x.at[safe_indices(s)].add(values, mode="drop", **flags)
 
 
 def scatter_sub(x: jax.Array, s: IndexedSlices) -> jax.Array:

@@ -57,6 +57,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "densify-crossover": ("2026-11-cpu/step_bench_crossover_cpu.json",),
     "design-typed-cost": ("2026-11-cpu/typed_indices_cost_cpu.json",),
     "design-checks-cost": ("2026-11-cpu/checks_cost_cpu.json",),
+    "optimizer-floor": ("2026-11-cpu-floor/optimizer_floor_bench_cpu.json",),
 }
 
 _BLOCK = re.compile(
@@ -326,6 +327,37 @@ def design_checks_cost() -> str:
     return "\n".join(lines) + "\n"
 
 
+def optimizer_floor() -> str:
+    """docs/optax.md: every optimizer against the floor's SGD step."""
+    (name,) = SOURCES["optimizer-floor"]
+    d = load(name)
+    env, labels = d["environment"], d["labels"]
+    loads = [x for pairs in d["loads"].values() for pair in pairs for x in pair]
+    big = str(max(d["summary"]["vs"]))
+    run = d["runs"][labels[0]][0]
+    k, lo, hi = run["max_distinct"], run["min_distinct_seen"], run["max_distinct_seen"]
+    lines = [
+        f"Measured on {env['nproc']} shared CPU cores ({env['cpu']}), jax "
+        f"{env['jax']}, `benchmarks/results/{name}`: {d['repeats']} runs of each "
+        f"code tree ({', '.join(f'`{x}`' for x in labels)}), turn about; load "
+        f"average (1 min) {min(loads):.1f} to {max(loads):.1f} during the runs. "
+        "Each cell is the median over the runs of (median step time / the "
+        "floor's SGD step time), both measured in one process. "
+        f"`max_distinct` at V = {_rows_label(int(big))}: {k[big]} "
+        f"(`estimate_max_distinct` over the workload's {d['workload']['num_batches']}"
+        f" batches, which touch {lo[big]} to {hi[big]} distinct rows of "
+        f"{d['workload']['batch'] * d['workload']['bag']} lookups each).",
+        "",
+        d["table"],
+        "",
+    ]
+    for g in d["goals"]:
+        verdict = "met" if g["met"] else "**missed**"
+        lines.append(f"* {g['goal']}: {g['value']:.2f} ({verdict})")
+    lines += ["", f"Command: `{d['command']}`."]
+    return "\n".join(lines) + "\n"
+
+
 def results_sources() -> str:
     """benchmarks/results/README.md: which run each generated block quotes."""
     lines = ["| block | quoted in | results files |", "| --- | --- | --- |"]
@@ -346,6 +378,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "densify-crossover": densify_crossover,
     "readme-benchmarks": readme_benchmarks,
     "design-coalesce": design_coalesce,
+    "optimizer-floor": optimizer_floor,
 }
 
 

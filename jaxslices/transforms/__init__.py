@@ -12,7 +12,8 @@ clipping in ``_clipping.py``, optimizer aliases in ``_alias.py``, gradient
 accumulation (:class:`MultiSteps`) in ``_accumulation.py``, conditional
 application (:func:`apply_if_finite`) in ``_conditionality.py``, and the one
 row-wise rule helper every stateful transform is written with in
-``_rowwise.py``.
+``_rowwise.py``; :func:`upgrade_state` (``_upgrade.py``) reads checkpoints of
+the optimizer states saved before the row-major layout.
 
 Conventions (see ``docs/optax.md``):
 
@@ -41,6 +42,15 @@ Conventions (see ``docs/optax.md``):
   slices leaf are integers; float indices mean a stock leaf-wise Optax
   transform (``optax.scale``, ``optax.sgd``, ...) mapped over them earlier in
   the chain, and the error says so.
+* **Row-major state.** Where a transform keeps several state arrays per
+  parameter (:func:`lazy_adam`'s two moments, :func:`ftrl`'s ``n`` and
+  ``z``), they are one packed array ``(V, k, *row)`` per parameter, so a
+  sparse step reads and writes all of a row's state with one gather and
+  one scatter (``docs/optax.md``, "Row-major state").
+* **Distinct-row bound.** Every transform that coalesces takes a
+  keyword-only ``max_distinct``: the slots a sparse leaf is coalesced into
+  (default: one per lookup); more distinct rows raise
+  (``docs/optax.md``, "Distinct-row bound").
 * ``None`` updates are passed through, as in Optax.
 """
 
@@ -74,6 +84,7 @@ from ._transform import scale_by_rowwise_rss as scale_by_rowwise_rss
 from ._transform import scale_by_rss as scale_by_rss
 from ._transform import scale_by_schedule as scale_by_schedule
 from ._transform import trace as trace
+from ._upgrade import upgrade_state as upgrade_state
 
 __all__ = [
     "AddDecayedWeightsState",
@@ -104,4 +115,5 @@ __all__ = [
     "scale_by_schedule",
     "sgd",
     "trace",
+    "upgrade_state",
 ]

@@ -21,6 +21,9 @@ coalesced (duplicate rows summed, :func:`jaxslices.coalesce`) and the distinct
 rows kept; if even the distinct rows do not fit, the step raises (also under
 ``jit``, on every device of a mesh, like :func:`jaxslices.check_ids`): a
 gradient is never dropped silently.
+:func:`jaxslices.capacity.estimate_multisteps_capacity` estimates a capacity
+from sample micro-batches (the most distinct rows of ``k`` consecutive ones,
+with a margin).
 """
 
 from __future__ import annotations
@@ -120,6 +123,8 @@ class MultiSteps:
         prefix of the params of ``int`` (sparse leaf) or ``None`` (dense leaf),
         a single ``int`` for every leaf, or a callable ``params -> such a
         tree``. ``None`` (default): every leaf dense.
+        :func:`jaxslices.capacity.estimate_multisteps_capacity` estimates it
+        from sample micro-batches.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices

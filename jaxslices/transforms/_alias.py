@@ -14,7 +14,14 @@ import optax
 from jax.typing import ArrayLike
 
 from .._coalesce import check_method
-from ._rowwise import ScalarOrSchedule, rowwise_update, zeros_like
+from ._rowwise import (
+    ScalarOrSchedule,
+    check_max_distinct,
+    pack_states,
+    packed_zeros,
+    rowwise_update,
+    unpack,
+)
 from ._transform import (
     add_decayed_weights,
     scale_by_lazy_adam,
@@ -42,6 +49,7 @@ def sgd(
     accumulator_dtype: Any = None,
     *,
     coalesce_method: str = "auto",
+    max_distinct: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Stochastic gradient descent, with optional lazy momentum.
 
@@ -66,6 +74,8 @@ def sgd(
       nesterov: use Nesterov momentum.
       accumulator_dtype: dtype of the momentum buffer; ``None``: the parameter's.
       coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
+      max_distinct: with momentum only (plain SGD does not coalesce): the
+        distinct-row bound of sparse leaves, as in :func:`lazy_adam`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; its state is the
@@ -90,6 +100,7 @@ def sgd(
       ([0.94, 0.92], Array([1., 1.], dtype=float32))
     """
     check_method(coalesce_method, "jaxslices.sgd")
+    check_max_distinct(max_distinct, "sgd")
     first = (
         optax.identity()
         if momentum is None
@@ -98,6 +109,7 @@ def sgd(
             nesterov=nesterov,
             accumulator_dtype=accumulator_dtype,
             coalesce_method=coalesce_method,
+            max_distinct=max_distinct,
         )
     )
     return optax.chain(first, scale_by_learning_rate(learning_rate))
@@ -109,6 +121,7 @@ def adagrad(
     eps: ArrayLike = 1e-7,
     *,
     coalesce_method: str = "auto",
+    max_distinct: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Adagrad that keeps sparse gradients sparse; equals :func:`optax.adagrad`.
 
@@ -130,6 +143,8 @@ def adagrad(
       initial_accumulator_value: starting value of the accumulator.
       eps: added under the square root.
       coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
+      max_distinct: the distinct-row bound of sparse leaves (an ``int`` or a
+        pytree prefix of the params), as in :func:`lazy_adam`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
@@ -150,8 +165,14 @@ def adagrad(
       Array([ 0.    , -0.9877,  0.    ], dtype=float32)
     """
     check_method(coalesce_method, "jaxslices.adagrad")
+    check_max_distinct(max_distinct, "adagrad")
     return optax.chain(
-        scale_by_rss(initial_accumulator_value, eps, coalesce_method=coalesce_method),
+        scale_by_rss(
+            initial_accumulator_value,
+            eps,
+            coalesce_method=coalesce_method,
+            max_distinct=max_distinct,
+        ),
         scale_by_learning_rate(learning_rate),
     )
 
@@ -166,6 +187,7 @@ def lazy_adam(
     *,
     nesterov: bool = False,
     coalesce_method: str = "auto",
+    max_distinct: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Lazy Adam: :func:`optax.adam` on dense leaves, touched rows only on slices.
 
@@ -199,6 +221,16 @@ def lazy_adam(
       mu_dtype: dtype of the first moment; ``None``: the parameter's.
       nesterov: use Nesterov momentum (NAdam), as in Optax.
       coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
+      max_distinct: a static bound on the distinct rows one step's gradient
+        touches: an ``int``, or a pytree prefix of the params with an ``int``
+        or ``None`` per table. Sparse leaves are coalesced into that many
+        slots instead of one per lookup, so every gather, scatter and state
+        update runs over the bound. More distinct rows raise an error
+        (eagerly, under ``jit``, on every device of a mesh); nothing is
+        dropped. ``None`` (default): one slot per lookup, never overflows.
+        :func:`jaxslices.capacity.estimate_max_distinct` estimates it from
+        sample batches; ``docs/optax.md`` ("Distinct-row bound") says how to
+        choose it.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
@@ -218,6 +250,7 @@ def lazy_adam(
       [0.0, 0.0, -0.1]
     """
     check_method(coalesce_method, "jaxslices.lazy_adam")
+    check_max_distinct(max_distinct, "lazy_adam")
     return optax.chain(
         scale_by_lazy_adam(
             b1,
@@ -227,6 +260,7 @@ def lazy_adam(
             mu_dtype,
             nesterov=nesterov,
             coalesce_method=coalesce_method,
+            max_distinct=max_distinct,
         ),
         scale_by_learning_rate(learning_rate),
     )
@@ -244,6 +278,7 @@ def lazy_adamw(
     *,
     nesterov: bool = False,
     coalesce_method: str = "auto",
+    max_distinct: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Lazy AdamW: :func:`optax.adamw` on dense leaves, touched rows only on slices.
 
@@ -260,7 +295,7 @@ def lazy_adamw(
       learning_rate, b1, b2, eps, eps_root, mu_dtype: as in :func:`lazy_adam`.
       weight_decay: a scalar or an Optax schedule.
       mask: which leaves decay, as in :func:`add_decayed_weights`.
-      nesterov, coalesce_method: as in :func:`lazy_adam`.
+      nesterov, coalesce_method, max_distinct: as in :func:`lazy_adam`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
@@ -282,6 +317,7 @@ def lazy_adamw(
       [1.0, 1.0, 0.85]
     """
     check_method(coalesce_method, "jaxslices.lazy_adamw")
+    check_max_distinct(max_distinct, "lazy_adamw")
     return optax.chain(
         scale_by_lazy_adam(
             b1,
@@ -291,9 +327,15 @@ def lazy_adamw(
             mu_dtype,
             nesterov=nesterov,
             coalesce_method=coalesce_method,
+            max_distinct=max_distinct,
         ),
         # scale_by_lazy_adam's slices are coalesced already: no second sort.
-        add_decayed_weights(weight_decay, mask, coalesce_method=coalesce_method),
+        add_decayed_weights(
+            weight_decay,
+            mask,
+            coalesce_method=coalesce_method,
+            max_distinct=max_distinct,
+        ),
         scale_by_learning_rate(learning_rate),
     )
 
@@ -304,6 +346,7 @@ def rowwise_adagrad(
     eps: ArrayLike = 1e-8,
     *,
     coalesce_method: str = "auto",
+    max_distinct: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Row-wise Adagrad: one accumulator per table row (FBGEMM's exact rule).
 
@@ -326,6 +369,8 @@ def rowwise_adagrad(
       initial_accumulator_value: starting value of every accumulator.
       eps: added to the square root in the denominator.
       coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
+      max_distinct: the distinct-row bound of sparse leaves (an ``int`` or a
+        pytree prefix of the params), as in :func:`lazy_adam`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
@@ -349,20 +394,63 @@ def rowwise_adagrad(
       Array([-1., -1.], dtype=float32)
     """
     check_method(coalesce_method, "jaxslices.rowwise_adagrad")
+    check_max_distinct(max_distinct, "rowwise_adagrad")
     return optax.chain(
         scale_by_rowwise_rss(
-            initial_accumulator_value, eps, coalesce_method=coalesce_method
+            initial_accumulator_value,
+            eps,
+            coalesce_method=coalesce_method,
+            max_distinct=max_distinct,
         ),
         scale_by_learning_rate(learning_rate),
     )
 
 
-class FtrlState(NamedTuple):
-    """State of :func:`ftrl`: step count, accumulator ``n`` and linear ``z``."""
-
+class _FtrlFields(NamedTuple):
     count: jax.Array  # int32 scalar, for learning-rate schedules
-    accumulator: Any
-    linear: Any
+    n_z: Any
+
+
+class FtrlState(_FtrlFields):
+    """State of :func:`ftrl`: the step count and, row-major, ``n`` and ``z``.
+
+    For a parameter of shape ``(V, *row)``, ``n_z`` holds one array of shape
+    ``(V, 2, *row)``: the accumulator ``n`` at ``[:, 0]`` and the linear term
+    ``z`` at ``[:, 1]`` (a scalar parameter: shape ``(2,)``), so one gather
+    and one scatter serve both. :attr:`accumulator` and :attr:`linear` give
+    them as two trees (copies, for reading).
+
+    Attributes:
+      count: the number of steps so far (int32), for learning-rate schedules.
+      n_z: per parameter, ``n`` and ``z`` side by side.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, count: Any, n_z: Any, *old: Any) -> FtrlState:
+        # Pickles of the separate layout (count, accumulator, linear) load.
+        if len(old) == 1:
+            n_z = pack_states(n_z, old[0])
+        elif old:
+            raise TypeError(f"FtrlState takes (count, n_z), got {2 + len(old)} fields.")
+        return super().__new__(cls, count, n_z)
+
+    @property
+    def accumulator(self) -> Any:
+        """The accumulators ``n``, one array per parameter (a copy)."""
+        return jax.tree.map(lambda x: unpack(x, 2)[0], self.n_z)
+
+    @property
+    def linear(self) -> Any:
+        """The linear terms ``z``, one array per parameter (a copy)."""
+        return jax.tree.map(lambda x: unpack(x, 2)[1], self.n_z)
+
+
+def _power(x: jax.Array, k: ArrayLike) -> jax.Array:
+    """``x ** k``; the paper's ``k = 0.5`` as a square root (cheaper, as exact)."""
+    if isinstance(k, (int, float)) and k == 0.5:
+        return jnp.sqrt(x)
+    return jnp.power(x, k)
 
 
 def _check_nonnegative(**kwargs: Any) -> None:
@@ -381,6 +469,7 @@ def ftrl(
     beta: ArrayLike = 0.0,
     *,
     coalesce_method: str = "auto",
+    max_distinct: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""FTRL-proximal (Keras 3 ``Ftrl``), touched rows only for sparse leaves.
 
@@ -422,6 +511,8 @@ def ftrl(
         loss gradient.
       beta: the paper's ``beta``, added to ``l2`` as ``beta / (2 * lr)``.
       coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
+      max_distinct: the distinct-row bound of sparse leaves (an ``int`` or a
+        pytree prefix of the params), as in :func:`lazy_adam`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -443,6 +534,7 @@ def ftrl(
       Array([0.5   , 0.2529, 0.5   ], dtype=float32)
     """
     check_method(coalesce_method, "jaxslices.ftrl")
+    check_max_distinct(max_distinct, "ftrl")
     _check_nonnegative(
         initial_accumulator_value=initial_accumulator_value,
         l1=l1,
@@ -462,10 +554,7 @@ def ftrl(
     def init_fn(params):
         return FtrlState(
             count=jnp.zeros([], jnp.int32),
-            accumulator=jax.tree.map(
-                lambda p: jnp.full_like(p, initial_accumulator_value), params
-            ),
-            linear=zeros_like(params),
+            n_z=packed_zeros(params, (initial_accumulator_value, 0)),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -485,22 +574,23 @@ def ftrl(
             g = g.astype(p.dtype)
             k = -learning_rate_power
             n_new = n + jnp.square(g)
-            pow_new = jnp.power(n_new, k)
-            sigma_p = (pow_new - jnp.power(n, k)) / lr * p
+            pow_new = _power(n_new, k)
+            sigma_p = (pow_new - _power(n, k)) / lr * p
             z_new = z + (g + 2 * l2_shrinkage * p) - sigma_p
             q = pow_new / lr + 2 * (l2 + beta / (2.0 * lr))
             p_new = (jnp.clip(z_new, -l1, l1) - z_new) / q
             return p_new - p, (n_new, z_new)
 
-        updates, (n, z) = rowwise_update(
+        updates, (n_z,) = rowwise_update(
             "ftrl",
             rule,
             updates,
-            [("state.accumulator", state.accumulator), ("state.linear", state.linear)],
+            [("state.n_z", state.n_z, 2)],
             params,
             method=coalesce_method,
+            max_distinct=max_distinct,
         )
         count = optax.safe_increment(state.count)
-        return updates, FtrlState(count=count, accumulator=n, linear=z)
+        return updates, FtrlState(count=count, n_z=n_z)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -8,6 +8,8 @@ the dense equivalent.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -18,6 +20,7 @@ from .._coalesce import check_method
 from ._rowwise import (
     abs_sq,
     check_all,
+    check_max_distinct,
     coalesce_all,
     global_norm,
     map_values,
@@ -28,7 +31,7 @@ __all__ = ["clip", "clip_by_global_norm", "clip_by_row_norm"]
 
 
 def clip(
-    max_delta: ArrayLike, *, coalesce_method: str = "auto"
+    max_delta: ArrayLike, *, coalesce_method: str = "auto", max_distinct: Any = None
 ) -> optax.GradientTransformationExtraArgs:
     """Clip every entry to ``[-max_delta, max_delta]``.
 
@@ -39,6 +42,8 @@ def clip(
     Args:
       max_delta: the largest absolute value kept.
       coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
+      max_distinct: the distinct-row bound of sparse leaves (as in
+        :func:`jaxslices.lazy_adam`); the result has that many slots.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`.
@@ -52,19 +57,23 @@ def clip(
       (Array([1, 2], dtype=int32), Array([1., 0.], dtype=float32))
     """
     check_method(coalesce_method, "jaxslices.clip")
+    check_max_distinct(max_distinct, "clip")
 
     def rule(g, states, p):
         return jnp.clip(g, -max_delta, max_delta), ()
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        return rowwise_update("clip", rule, updates, method=coalesce_method)[0], state
+        out = rowwise_update(
+            "clip", rule, updates, method=coalesce_method, max_distinct=max_distinct
+        )
+        return out[0], state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
 
 
 def clip_by_global_norm(
-    max_norm: ArrayLike, *, coalesce_method: str = "auto"
+    max_norm: ArrayLike, *, coalesce_method: str = "auto", max_distinct: Any = None
 ) -> optax.GradientTransformationExtraArgs:
     """Scale all updates by ``max_norm / norm`` when their global norm exceeds it.
 
@@ -79,6 +88,8 @@ def clip_by_global_norm(
     Args:
       max_norm: the largest global norm let through unscaled.
       coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
+      max_distinct: the distinct-row bound of sparse leaves (as in
+        :func:`jaxslices.lazy_adam`); the result has that many slots.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`.
@@ -92,13 +103,16 @@ def clip_by_global_norm(
       (Array([0.6, 0. ], dtype=float32), Array([0.8], dtype=float32))
     """
     check_method(coalesce_method, "jaxslices.clip_by_global_norm")
+    check_max_distinct(max_distinct, "clip_by_global_norm")
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         check_all("clip_by_global_norm", updates)
         # Coalesce once: the norm needs per-row sums, and the coalesced slices
         # are passed on, so a following transform does not coalesce again.
-        updates = coalesce_all(updates, coalesce_method)
+        updates = coalesce_all(
+            "clip_by_global_norm", updates, coalesce_method, max_distinct
+        )
         g_norm = global_norm(updates)
         trigger = jnp.squeeze(g_norm < max_norm)
 
@@ -123,7 +137,7 @@ def _row_norm_scale(x: jax.Array, max_norm: ArrayLike) -> jax.Array:
 
 
 def clip_by_row_norm(
-    max_norm: ArrayLike, *, coalesce_method: str = "auto"
+    max_norm: ArrayLike, *, coalesce_method: str = "auto", max_distinct: Any = None
 ) -> optax.GradientTransformationExtraArgs:
     """Scale every row whose L2 norm exceeds ``max_norm`` down to ``max_norm``.
 
@@ -139,6 +153,8 @@ def clip_by_row_norm(
     Args:
       max_norm: the largest row norm let through unscaled.
       coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
+      max_distinct: the distinct-row bound of sparse leaves (as in
+        :func:`jaxslices.lazy_adam`); the result has that many slots.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`.
@@ -154,13 +170,20 @@ def clip_by_row_norm(
              [0.5, 0. ]], dtype=float32)
     """
     check_method(coalesce_method, "jaxslices.clip_by_row_norm")
+    check_max_distinct(max_distinct, "clip_by_row_norm")
 
     def rule(g, states, p):
         return _row_norm_scale(g, max_norm), ()
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        out = rowwise_update("clip_by_row_norm", rule, updates, method=coalesce_method)
+        out = rowwise_update(
+            "clip_by_row_norm",
+            rule,
+            updates,
+            method=coalesce_method,
+            max_distinct=max_distinct,
+        )
         return out[0], state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)

@@ -23,9 +23,14 @@ from ._rowwise import (
     ScalarOrSchedule,
     abs_sq,
     check_all,
+    check_max_distinct,
     is_leaf,
+    leaf_bounds,
     map_values,
+    pack_states,
+    packed_zeros,
     rowwise_update,
+    unpack,
     zeros_like,
 )
 
@@ -173,6 +178,7 @@ def trace(
     accumulator_dtype: Any = None,
     *,
     coalesce_method: str = "auto",
+    max_distinct: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Momentum ``t <- g + decay * t``, lazy for sparse leaves: :func:`sgd`'s trace.
 
@@ -183,7 +189,8 @@ def trace(
 
     Args:
       decay: the momentum coefficient (``momentum`` of :func:`jaxslices.sgd`).
-      nesterov, accumulator_dtype, coalesce_method: as in :func:`jaxslices.sgd`.
+      nesterov, accumulator_dtype, coalesce_method, max_distinct: as in
+        :func:`jaxslices.sgd`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -200,6 +207,7 @@ def trace(
       Array([0., 3., 0.], dtype=float32)
     """
     check_method(coalesce_method, "jaxslices.trace")
+    check_max_distinct(max_distinct, "trace")
     dtype = None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
 
     def init_fn(params):
@@ -219,6 +227,7 @@ def trace(
             updates,
             [("state.trace", state.trace)],
             method=coalesce_method,
+            max_distinct=max_distinct,
         )
         return updates, TraceState(trace=new_trace)
 
@@ -239,6 +248,7 @@ def add_decayed_weights(
     mask: Any = None,
     *,
     coalesce_method: str = "auto",
+    max_distinct: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Add ``weight_decay * params`` to the updates; touched rows only for slices.
 
@@ -256,6 +266,8 @@ def add_decayed_weights(
         callable is always given the *params* (dense arrays), never the
         updates, so it does not need to know about ``IndexedSlices``.
       coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
+      max_distinct: the distinct-row bound of sparse leaves (see
+        :func:`jaxslices.lazy_adam`).
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`.
@@ -274,6 +286,7 @@ def add_decayed_weights(
       Array([0. , 0. , 0.3], dtype=float32)
     """
     check_method(coalesce_method, "jaxslices.add_decayed_weights")
+    check_max_distinct(max_distinct, "add_decayed_weights")
     name = "add_decayed_weights"
     scheduled = callable(weight_decay)
 
@@ -300,17 +313,26 @@ def add_decayed_weights(
         def rule(g, states, p):
             return g + wd * p, ()
 
-        def decay(u, p):
-            return rowwise_update(name, rule, u, params=p, method=coalesce_method)[0]
+        def decay(u, p, bound):
+            return rowwise_update(
+                name,
+                rule,
+                u,
+                params=p,
+                method=coalesce_method,
+                max_distinct=bound,
+            )[0]
 
         if mask is None:
-            return decay(updates, params), new_state
+            return decay(updates, params, max_distinct), new_state
         mask_tree = mask(params) if callable(mask) else mask
+        bounds = leaf_bounds(name, max_distinct, updates)
         updates = jax.tree.map(
-            lambda m, u, p: decay(u, p) if m else u,
+            lambda m, u, p, b: decay(u, p, b) if m else u,
             mask_tree,
             updates,
             params,
+            bounds,
             is_leaf=lambda x: x is None,
         )
         return updates, new_state
@@ -332,6 +354,7 @@ def scale_by_rss(
     eps: ArrayLike = 1e-7,
     *,
     coalesce_method: str = "auto",
+    max_distinct: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Adagrad's scaling, ``g / sqrt(sum of g**2 + eps)``, touched rows only.
 
@@ -341,7 +364,7 @@ def scale_by_rss(
     accumulator rows they touch are gathered, updated and scattered back.
 
     Args:
-      initial_accumulator_value, eps, coalesce_method: as in
+      initial_accumulator_value, eps, coalesce_method, max_distinct: as in
         :func:`jaxslices.adagrad`.
 
     Returns:
@@ -357,6 +380,7 @@ def scale_by_rss(
       (Array([1., 0.], dtype=float32), Array([4., 0.], dtype=float32))
     """
     check_method(coalesce_method, "jaxslices.scale_by_rss")
+    check_max_distinct(max_distinct, "scale_by_rss")
 
     def init_fn(params):
         return ScaleByRssState(
@@ -377,6 +401,7 @@ def scale_by_rss(
             updates,
             [("state", state.sum_of_squares)],
             method=coalesce_method,
+            max_distinct=max_distinct,
         )
         return updates, ScaleByRssState(sum_of_squares=acc)
 
@@ -407,6 +432,7 @@ def scale_by_rowwise_rss(
     eps: ArrayLike = 1e-8,
     *,
     coalesce_method: str = "auto",
+    max_distinct: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Row-wise Adagrad's scaling: one accumulator per row, ``g / (sqrt(acc) + eps)``.
 
@@ -417,7 +443,7 @@ def scale_by_rowwise_rss(
     are coalesced first; only the touched rows' accumulators change.
 
     Args:
-      initial_accumulator_value, eps, coalesce_method: as in
+      initial_accumulator_value, eps, coalesce_method, max_distinct: as in
         :func:`jaxslices.rowwise_adagrad`.
 
     Returns:
@@ -435,6 +461,7 @@ def scale_by_rowwise_rss(
       Array([[0.2, 1.4]], dtype=float32)
     """
     check_method(coalesce_method, "jaxslices.scale_by_rowwise_rss")
+    check_max_distinct(max_distinct, "scale_by_rowwise_rss")
 
     def init_leaf(p):
         if not (hasattr(p, "shape") and hasattr(p, "dtype")):
@@ -468,6 +495,7 @@ def scale_by_rowwise_rss(
             [("state.sum_of_squares", state.sum_of_squares)],
             state_shape=_rowwise_state_shape,
             method=coalesce_method,
+            max_distinct=max_distinct,
         )
         return updates, ScaleByRowwiseRssState(sum_of_squares=acc)
 
@@ -487,12 +515,49 @@ def _debias(moment: jax.Array, correction: jax.Array) -> jax.Array:
     return moment / correction.astype(moment.dtype)
 
 
-class ScaleByLazyAdamState(NamedTuple):
-    """State of :func:`scale_by_lazy_adam`: global step count and dense moments."""
-
+class _ScaleByLazyAdamFields(NamedTuple):
     count: jax.Array  # int32 scalar
-    mu: Any
-    nu: Any
+    mu_nu: Any
+
+
+class ScaleByLazyAdamState(_ScaleByLazyAdamFields):
+    """State of :func:`scale_by_lazy_adam`: the global step count and both moments.
+
+    The moments are **row-major**: for a parameter of shape ``(V, *row)``,
+    ``mu_nu`` holds one array of shape ``(V, 2, *row)`` with the first moment
+    at ``[:, 0]`` and the second at ``[:, 1]`` (a scalar parameter: shape
+    ``(2,)``), so one gather and one scatter read and write both moments of
+    the rows a step touches. :attr:`mu` and :attr:`nu` give them as two trees
+    (copies, for reading). The array's dtype is the parameter's, or the wider
+    of it and ``mu_dtype``; each moment is still rounded to its own dtype
+    every step (``docs/optax.md``, "Row-major state").
+
+    Attributes:
+      count: the number of steps so far (int32).
+      mu_nu: per parameter, both moments side by side.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, count: Any, mu_nu: Any, *old: Any) -> ScaleByLazyAdamState:
+        # Pickles of the separate layout (count, mu, nu) load as the new one.
+        if len(old) == 1:
+            mu_nu = pack_states(mu_nu, old[0])
+        elif old:
+            raise TypeError(
+                f"ScaleByLazyAdamState takes (count, mu_nu), got {2 + len(old)} fields."
+            )
+        return super().__new__(cls, count, mu_nu)
+
+    @property
+    def mu(self) -> Any:
+        """The first moments, one array per parameter (a copy)."""
+        return jax.tree.map(lambda x: unpack(x, 2)[0], self.mu_nu)
+
+    @property
+    def nu(self) -> Any:
+        """The second moments, one array per parameter (a copy)."""
+        return jax.tree.map(lambda x: unpack(x, 2)[1], self.mu_nu)
 
 
 def scale_by_lazy_adam(
@@ -504,19 +569,21 @@ def scale_by_lazy_adam(
     *,
     nesterov: bool = False,
     coalesce_method: str = "auto",
+    max_distinct: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Adam's scaling (:func:`optax.scale_by_adam`), lazy for sparse leaves.
 
     The building block of :func:`jaxslices.lazy_adam`, which has the maths,
     what *lazy* means for sparse leaves, the bias correction (one global step
     count), and the references. Dense leaves: exactly
-    :func:`optax.scale_by_adam`. Sparse leaves are coalesced; the moments of
-    the touched rows are gathered, updated and scattered back, and only those
+    :func:`optax.scale_by_adam`. Sparse leaves are coalesced; both moments of
+    the touched rows are gathered (one gather: the state is row-major, see
+    :class:`ScaleByLazyAdamState`), updated and scattered back, and only those
     rows get an update.
 
     Args:
-      b1, b2, eps, eps_root, mu_dtype, nesterov, coalesce_method: as in
-        :func:`jaxslices.lazy_adam`.
+      b1, b2, eps, eps_root, mu_dtype, nesterov, coalesce_method, max_distinct:
+        as in :func:`jaxslices.lazy_adam`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -529,15 +596,21 @@ def scale_by_lazy_adam(
       >>> u, state = tx.update(g, tx.init(jnp.zeros(3)))
       >>> u.to_dense().round(4), state.mu
       (Array([0., 1., 0.], dtype=float32), Array([0. , 0.2, 0. ], dtype=float32))
+      >>> state.mu_nu.shape  # (V, 2): both moments of a row side by side
+      (3, 2)
     """
     check_method(coalesce_method, "jaxslices.scale_by_lazy_adam")
+    check_max_distinct(max_distinct, "scale_by_lazy_adam")
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
     def init_fn(params):
+        def dtype(p):
+            p_dtype = jnp.result_type(p)
+            return p_dtype if mu_dtype is None else jnp.promote_types(mu_dtype, p_dtype)
+
         return ScaleByLazyAdamState(
             count=jnp.zeros([], jnp.int32),
-            mu=zeros_like(params, mu_dtype),
-            nu=zeros_like(params),
+            mu_nu=jax.tree.map(lambda p: packed_zeros(p, (0, 0), dtype(p)), params),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -550,6 +623,9 @@ def scale_by_lazy_adam(
 
         def rule(g, states, p):
             m, v = states
+            if mu_dtype is not None:
+                # Each moment in its own dtype (the buffer holds the wider).
+                m, v = m.astype(mu_dtype), v.astype(jnp.result_type(g))
             mu = optax.tree.update_moment(g, m, b1, 1)
             nu = optax.tree.update_moment_per_elem_norm(g, v, b2, 2)
             if nesterov:
@@ -560,14 +636,15 @@ def scale_by_lazy_adam(
             new_mu = mu if mu_dtype is None else mu.astype(mu_dtype)
             return upd, (new_mu, nu.astype(v.dtype))
 
-        updates, (mu, nu) = rowwise_update(
+        updates, (mu_nu,) = rowwise_update(
             "scale_by_lazy_adam",
             rule,
             updates,
-            [("state.mu", state.mu), ("state.nu", state.nu)],
+            [("state.mu_nu", state.mu_nu, 2)],
             method=coalesce_method,
+            max_distinct=max_distinct,
         )
-        return updates, ScaleByLazyAdamState(count=count, mu=mu, nu=nu)
+        return updates, ScaleByLazyAdamState(count=count, mu_nu=mu_nu)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -211,9 +211,14 @@ def test_cpu_and_gpu_sort_strategies_agree(row_shape):
     rng = np.random.default_rng(16)
     idx = jnp.asarray(np.r_[rng.zipf(1.3, size=200) % 30, [30, 30]], jnp.int32)
     vals = jnp.asarray(rng.normal(size=(202, *row_shape)), jnp.float32)
-    a_vals, a_idx = jax.jit(_by_id_sort)(vals, idx)
-    b_vals, b_idx = jax.jit(_by_pair_sort)(vals, idx)
+    a_vals, a_idx, a_count = jax.jit(_by_id_sort, static_argnums=(2, 3))(
+        vals, idx, 30, 202
+    )
+    b_vals, b_idx, b_count = jax.jit(_by_pair_sort, static_argnums=(2, 3))(
+        vals, idx, 30, 202
+    )
     np.testing.assert_array_equal(a_idx, b_idx)
+    assert int(a_count) == int(b_count) == len(np.unique(np.asarray(idx))) - 1
     np.testing.assert_allclose(a_vals, b_vals, rtol=1e-5, atol=1e-5)
     u = len(np.unique(np.asarray(idx)))
     np.testing.assert_array_equal(a_idx[:u], np.unique(np.asarray(idx)))

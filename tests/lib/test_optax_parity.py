@@ -44,6 +44,7 @@ NO_NAMESAKE = {
     "tree_map_values": "maps the values of slices; Optax's trees have none",
     "tree_pmean": "cross-device reduction of trees with slices (jax.lax.pmean)",
     "tree_psum": "cross-device reduction of trees with slices (jax.lax.psum)",
+    "upgrade_state": "reads checkpoints of jaxslices' own earlier state layout",
 }
 
 #: Namesakes whose signature differs on purpose, and why.

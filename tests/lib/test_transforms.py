@@ -684,8 +684,9 @@ def test_mismatched_trees_name_the_leaf():
     tx = js.lazy_adam(0.1)
     with pytest.raises(
         ValueError,
-        match=r"jaxslices\.scale_by_lazy_adam: `updates` and `state\.mu` must have the "
-        r"same tree structure; leaf \['b'\] is in `state\.mu` but not in `updates`",
+        match=r"jaxslices\.scale_by_lazy_adam: `updates` and `state\.mu_nu` must have "
+        r"the same tree structure; leaf \['b'\] is in `state\.mu_nu` but not in "
+        r"`updates`",
     ):
         tx.update(grads, tx.init(params), params)
 

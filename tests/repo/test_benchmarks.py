@@ -60,6 +60,60 @@ def test_step_bench_smoke(bench, tmp_path, optimizer):
         ]
 
 
+def test_optimizer_floor_bench_smoke(bench, tmp_path):
+    """Every path of one code tree, in this process, saved with its command."""
+    ofb = bench("optimizer_floor_bench")
+    report = ofb.main(
+        trees=(str(BENCH.parent),),
+        labels=("new",),
+        num_rows=(256,),
+        optimizers=("adam",),
+        batch=8,
+        bag=4,
+        num_batches=2,
+        steps=2,
+        passes=1,
+        out=str(tmp_path),
+        command="smoke",
+        in_process=True,
+    )
+    run = report["runs"]["new"][0]
+    assert {r["path"] for r in run["rows"]} == set(ofb.PATHS)
+    assert all(math.isfinite(r["final_loss"]) for r in run["rows"])
+    assert 0 < run["max_distinct"]["256"] <= 32
+    assert "| 256 | adam |" in report["table"]
+    saved = tmp_path / f"optimizer_floor_bench_{run['backend']}.json"
+    assert json.loads(saved.read_text())["command"] == "smoke"
+
+
+def test_optimizer_floor_bench_goals(bench):
+    """Ratios: median over repeats per tree; the goals met and missed."""
+    ofb = bench("optimizer_floor_bench")
+
+    def run(ratios):
+        return {
+            "rows": [
+                {"num_rows": v, "optimizer": o, "path": p, "ratio_to_floor_sgd": r}
+                for (v, o, p), r in ratios.items()
+            ]
+        }
+
+    big, small = 2**20, 2**14
+    new = {(big, "adam", "bounded"): 1.9, (small, "adam", "jaxslices"): 2.2}
+    old = {(big, "adam", "jaxslices"): 3.0, (small, "adam", "jaxslices"): 2.0}
+    runs = {
+        "new": [run(new), run({**new, (big, "adam", "bounded"): 2.3})],
+        "old": [run(old)],
+    }
+    summary = ofb.summarize(runs, ["new", "old"])
+    (row,) = [r for r in summary["rows"] if r["num_rows"] == big]
+    assert row["new/bounded"] == pytest.approx(2.1) and row["old/jaxslices"] == 3.0
+    goals = {g["goal"]: g for g in ofb.goals(summary, ["new", "old"])}
+    assert not goals[f"V={big} adam: jaxslices / floor SGD <= 2.0"]["met"]
+    assert not goals[f"V={small} adam: not slower than old"]["met"]  # 2.2 vs 2.0
+    assert "2.10x" in ofb.markdown(summary, ["new", "old"])
+
+
 def test_step_bench_flags_temp_growth(bench):
     step_bench = bench("step_bench")
     rows = [
