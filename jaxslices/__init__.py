@@ -27,6 +27,11 @@ from .autodiff import value_and_grad as value_and_grad
 from .embedding import check_ids as check_ids
 from .embedding import embedding_bag as embedding_bag
 from .embedding import embedding_lookup as embedding_lookup
+from .jagged import JaggedIds as JaggedIds
+from .jagged import check_jagged as check_jagged
+from .jagged import jagged_from_lengths as jagged_from_lengths
+from .jagged import jagged_from_lists as jagged_from_lists
+from .jagged import jagged_from_padded as jagged_from_padded
 from .sharding import shard_rows as shard_rows
 from .sharding import sharded_init as sharded_init
 from .sharding import sharded_lookup as sharded_lookup
@@ -97,12 +102,17 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "IndexedSlices",
+    "JaggedIds",
     "MultiSteps",
     "MultiStepsState",
     "check_ids",
+    "check_jagged",
     "embedding_bag",
     "embedding_lookup",
     "grad",
+    "jagged_from_lengths",
+    "jagged_from_lists",
+    "jagged_from_padded",
     "value_and_grad",
     "coalesce",
     "concatenate",
