@@ -32,6 +32,7 @@ from .jagged import check_jagged as check_jagged
 from .jagged import jagged_from_lengths as jagged_from_lengths
 from .jagged import jagged_from_lists as jagged_from_lists
 from .jagged import jagged_from_padded as jagged_from_padded
+from .max_norm import apply_max_norm as apply_max_norm
 from .sharding import shard_rows as shard_rows
 from .sharding import sharded_init as sharded_init
 from .sharding import sharded_lookup as sharded_lookup
@@ -113,6 +114,7 @@ __all__ = [
     "jagged_from_lengths",
     "jagged_from_lists",
     "jagged_from_padded",
+    "apply_max_norm",
     "value_and_grad",
     "coalesce",
     "concatenate",

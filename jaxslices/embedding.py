@@ -42,6 +42,7 @@ import numpy as np
 from . import _ids, _lookup_handlers, _tape
 from ._ids import check_ids
 from .jagged import JaggedIds, check_jagged, segment_ids, weights_like
+from .max_norm import check_max_norm, renorm_rows
 
 __all__ = ["embedding_lookup", "embedding_bag", "check_ids"]
 
@@ -102,6 +103,9 @@ def embedding_lookup(
     *,
     dtype: Any = None,
     check_ids: bool = False,
+    padding_id: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
 ) -> jax.Array:
     """Look up rows: ``table[ids]``, of shape ``ids.shape + table.shape[1:]``.
 
@@ -111,6 +115,15 @@ def embedding_lookup(
     (the lookup is a ``jax.custom_vjp``, so forward-mode ``jax.jvp`` is not
     supported through it).
 
+    ``padding_id`` and ``max_norm`` are ``torch.nn.functional.embedding``'s
+    ``padding_idx`` and ``max_norm``: the padding row is read as it is but
+    gets no gradient (its slots are padding in a sparse gradient, so no
+    optimizer ever touches it); with ``max_norm`` every row read whose norm
+    exceeds it is returned renormalised, with PyTorch's (unscaled) gradient.
+    PyTorch also renormalises those rows in the table, in place: here that is
+    :func:`jaxslices.apply_max_norm`, a row-sparse scatter to run in the
+    training step before the optimizer's update (see :mod:`jaxslices.max_norm`).
+
     Args:
       table: ``[V, ...]`` array.
       ids: integer array of any shape. Ids outside ``[0, V)`` read zeros and
@@ -118,6 +131,11 @@ def embedding_lookup(
       dtype: if given, cast the gathered rows to it (after the gather, so a
         bf16 compute path keeps the sparse gradient, in the table's dtype).
       check_ids: raise an error (also under ``jit``) if an id is out of range.
+      padding_id: a row id (in ``[0, V)``; other values are out of range
+        anyway) whose row is read but never gets a gradient.
+      max_norm: renormalise rows whose norm exceeds it (PyTorch's rule:
+        ``row * max_norm / (norm + 1e-7)``).
+      norm_type: the ``p`` of the p-norm for ``max_norm``.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -125,30 +143,66 @@ def embedding_lookup(
       >>> jaxslices.embedding_lookup(table, jnp.array([[3, 0]]))
       Array([[[6., 7.],
               [0., 1.]]], dtype=float32)
+      >>> jaxslices.grad(lambda t: jaxslices.embedding_lookup(
+      ...     t, jnp.array([3, 0, 0]), padding_id=0).sum())(table).indices
+      Array([3, 4, 4], dtype=int32)
     """
-    table, ids, num_rows, handler = _prepare(table, ids, "embedding_lookup")
+    where = "embedding_lookup"
+    table, ids, num_rows, handler = _prepare(table, ids, where)
+    check_max_norm(max_norm, norm_type, where)
     if check_ids:
-        ids = _ids.check(
-            ids, num_rows, "embedding_lookup(check_ids=True)", like=(table,)
+        ids = _ids.check(ids, num_rows, f"{where}(check_ids=True)", like=(table,))
+    safe = _ids.safe_ids(ids, num_rows)
+    pad_row = _padding_row(padding_id, num_rows, where)
+    if pad_row is None:
+        rows = _lookup_rows(table, safe, handler)
+    else:
+        if handler is not None:
+            raise ValueError(
+                f"{where}: `padding_id` is not supported for a table of the native "
+                "backend; use an array table, or embedding_bag(padding_id=...), "
+                "which drops padding ids from the bags."
+            )
+        # Padding slots are looked up as padding (no gradient, never updated)
+        # and read the padding row through stop_gradient.
+        is_pad = safe == pad_row
+        rows = _lookup_rows(table, jnp.where(is_pad, num_rows, safe), handler)
+        held = jax.lax.stop_gradient(table)[pad_row]
+        rows = jnp.where(is_pad.reshape(is_pad.shape + (1,) * held.ndim), held, rows)
+    return _finish(rows, table, max_norm, norm_type, dtype)
+
+
+def _padding_row(padding_id: Any, num_rows: int, where: str) -> int | None:
+    """``padding_id`` if it names a row (an int in ``[0, V)``), else ``None``."""
+    if padding_id is None:
+        return None
+    if isinstance(padding_id, jax.core.Tracer) or not isinstance(
+        padding_id, int | np.integer
+    ):
+        raise TypeError(
+            f"{where}: `padding_id` must be a Python int (static), got {padding_id!r}."
         )
-    return _lookup_rows(table, _ids.safe_ids(ids, num_rows), dtype, handler)
+    return int(padding_id) if 0 <= padding_id < num_rows else None
 
 
-def _lookup_rows(table: Any, safe_ids: jax.Array, dtype: Any, handler: Any) -> Any:
+def _lookup_rows(table: Any, safe_ids: jax.Array, handler: Any) -> Any:
     """The lookup proper, on ids from :func:`jaxslices._ids.safe_ids`.
 
     A claimed table goes to its handler; an array to the tap backend
     (active under ``value_and_grad``, else ``None``), then the plain lookup.
     """
     if handler is not None:
-        out = handler.lookup(table, safe_ids)
-    else:
-        out = _tape.lookup(table, safe_ids, _gather)
-        if out is None:
-            out = _lookup(table, safe_ids)
-    if dtype is not None:
-        out = out.astype(dtype)
-    return out
+        return handler.lookup(table, safe_ids)
+    out = _tape.lookup(table, safe_ids, _gather)
+    return _lookup(table, safe_ids) if out is None else out
+
+
+def _finish(rows: Any, table: Any, max_norm: Any, norm_type: Any, dtype: Any) -> Any:
+    """``max_norm`` (in the table's dtype, as PyTorch), then the ``dtype`` cast."""
+    if max_norm is not None:
+        row_ndim = len(jnp.shape(table)) - 1
+        rows = renorm_rows(rows, max_norm, norm_type=norm_type, row_ndim=row_ndim)
+    return rows if dtype is None else rows.astype(dtype)
 
 
 _COMBINERS = ("mean", "sum", "sqrtn")
@@ -163,6 +217,8 @@ def embedding_bag(
     padding_id: int | None = None,
     dtype: Any = None,
     check_ids: bool = False,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
 ) -> jax.Array:
     """Look up and reduce bags of ids: padded ``[..., L]`` or jagged.
 
@@ -173,10 +229,14 @@ def embedding_bag(
     weights ``w`` (ones if ``None``) and rows ``r``: ``"sum"`` is ``Σ w·r``,
     ``"mean"`` is ``Σ w·r / Σ w`` and ``"sqrtn"`` is ``Σ w·r / sqrt(Σ w²)``.
     Ids equal to ``padding_id`` contribute nothing, forward or backward (their
-    slots become padding in a sparse gradient). A bag with nothing in it gives
-    zeros, not NaN. The table's gradient under :func:`jaxslices.value_and_grad`
-    is sparse, as for :func:`embedding_lookup`: one slot per id slot (for
-    jagged ids ``max_total`` slots, the unused ones padding).
+    slots become padding in a sparse gradient). Other out-of-range ids read
+    zero rows (the ids policy) and still count in ``"mean"`` / ``"sqrtn"``
+    denominators: mark empty slots with ``padding_id`` (the bag layers of
+    :mod:`jaxslices.nnx`, ``.linen`` and ``.equinox`` leave every
+    out-of-range id out). A bag with nothing in it gives zeros, not NaN.
+    The table's gradient under :func:`jaxslices.value_and_grad` is sparse,
+    as for :func:`embedding_lookup`: one slot per id slot (for jagged ids
+    ``max_total`` slots, the unused ones padding).
 
     Args:
       table: ``[V, ...]`` array.
@@ -189,6 +249,11 @@ def embedding_bag(
       padding_id: id that marks an empty slot in a bag.
       dtype: cast the looked-up rows to this dtype.
       check_ids: raise if a (non-padding) id is out of range.
+      max_norm: renormalise the rows read whose norm exceeds it, before
+        weighting (``torch.nn.EmbeddingBag``'s ``max_norm``; the table's own
+        update is :func:`jaxslices.apply_max_norm`, see
+        :func:`embedding_lookup`).
+      norm_type: the ``p`` of the p-norm for ``max_norm``.
 
     Returns:
       ``ids.shape[:-1] + table.shape[1:]``; for jagged ids
@@ -205,6 +270,7 @@ def embedding_bag(
              [3.]], dtype=float32)
     """
     where = "embedding_bag"
+    check_max_norm(max_norm, norm_type, where)
     if combiner not in _COMBINERS:
         raise ValueError(
             f"{where}: `combiner` must be one of {_COMBINERS}, got {combiner!r}."
@@ -250,7 +316,9 @@ def embedding_bag(
         # Padding reads zeros and gets no gradient: send it out of range.
         present = jnp.asarray(present)
         safe = jnp.where(present, safe, num_rows)
-    rows = _lookup_rows(table, safe, dtype, handler)
+    rows = _finish(
+        _lookup_rows(table, safe, handler), table, max_norm, norm_type, dtype
+    )
     compute = rows.dtype
     w = present.astype(compute)
     if weights is not None:

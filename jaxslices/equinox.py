@@ -36,12 +36,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import _leaves, autodiff, updates
-from ._ids import integer_ids, wrap_negative
-from .embedding import embedding_lookup
+from . import _layers, _leaves, autodiff, updates
 from .slices import IndexedSlices
 
-__all__ = ["Embedding", "filter_value_and_grad", "filter_grad", "apply_updates"]
+__all__ = [
+    "Embedding",
+    "EmbeddingBag",
+    "filter_value_and_grad",
+    "filter_grad",
+    "apply_updates",
+]
 
 
 class Embedding(eqx.nn.Embedding):
@@ -54,6 +58,14 @@ class Embedding(eqx.nn.Embedding):
     Under :func:`filter_value_and_grad` (or :func:`jaxslices.value_and_grad`)
     ``weight`` then gets an :class:`~jaxslices.IndexedSlices` gradient; under
     ``eqx.filter_grad``, the stock dense one.
+
+    PyTorch's options (``torch.nn.Embedding``), keyword-only, off by default:
+    ``padding_idx`` (that row, negative counted from the end, is zeroed when
+    the weight is initialised from ``key`` (a given ``weight`` is kept as it
+    is, as PyTorch's ``from_pretrained``), read as it is and never gets a
+    gradient) and ``max_norm`` / ``norm_type`` (rows read whose norm exceeds
+    ``max_norm`` are returned renormalised; PyTorch's in-place rescaling of
+    the table is :meth:`apply_max_norm`, a row-sparse scatter into ``weight``).
 
     Ids: negative ids count from the end, as in the stock layer; an id
     ``>= num_embeddings`` or ``< -num_embeddings`` reads zeros and gets no
@@ -69,6 +81,32 @@ class Embedding(eqx.nn.Embedding):
       IndexedSlices(float32[100, 4], rows=3)
     """
 
+    padding_idx: int | None = eqx.field(static=True)
+    max_norm: float | None = eqx.field(static=True)
+    norm_type: float = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_embeddings: int | None = None,
+        embedding_size: int | None = None,
+        weight: Any = None,
+        dtype: Any = None,
+        *,
+        key: Any = None,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_size, weight, dtype, key=key)
+        pad = _layers.check_options(
+            _EMBED, self.num_embeddings, padding_idx, max_norm, norm_type
+        )
+        if weight is None:  # initialised here: the padding row starts at zero
+            self.weight = _layers.zero_padding_row(self.weight, pad)
+        self.padding_idx = pad
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+
     def __call__(self, x: Any, *, key: Any = None) -> jax.Array:
         """Row ``x`` of the table (``x`` a scalar integer); ``key`` is ignored."""
         if not (eqx.is_array_like(x) and jnp.shape(x) == ()):
@@ -77,8 +115,112 @@ class Embedding(eqx.nn.Embedding):
                 f"index `x`, got shape {jnp.shape(x)}. Use `jax.vmap` to look up "
                 "several ids, e.g. `jax.vmap(embedding)(ids)`: it stays sparse."
             )
-        x = integer_ids(x, "jaxslices.equinox.Embedding")
-        return embedding_lookup(self.weight, wrap_negative(x, self.num_embeddings))
+        return _layers.lookup(self, self.weight, x, _EMBED)
+
+    def apply_max_norm(self, ids: Any) -> Embedding:
+        """This layer with the rows ``ids`` read renormalised in ``weight``.
+
+        PyTorch's in-place ``max_norm`` step (:func:`jaxslices.apply_max_norm`),
+        for ids of any shape: a row-sparse scatter. Apply it in the training
+        step before the optimizer's update, e.g. ``model = eqx.tree_at(lambda
+        m: m.emb, model, model.emb.apply_max_norm(ids))``.
+        """
+        return _with_weight(self, _EMBED, ids, None)
+
+
+def _with_weight(layer: Any, where: str, ids: Any, offsets: Any) -> Any:
+    weight = _layers.renormed(layer, layer.weight, ids, offsets, where)
+    return eqx.tree_at(lambda m: m.weight, layer, weight)
+
+
+_EMBED = "jaxslices.equinox.Embedding"
+_BAG = "jaxslices.equinox.EmbeddingBag"
+
+
+class EmbeddingBag(eqx.Module):
+    """``torch.nn.EmbeddingBag`` for Equinox, with a sparse gradient.
+
+    A ``weight`` of shape ``(num_embeddings, embedding_size)`` (standard
+    normal from ``key``, as ``eqx.nn.Embedding``; or given); bags of ids are
+    looked up and combined (``combiner``: ``"mean"``, ``"sum"`` or
+    ``"sqrtn"``) through :func:`jaxslices.embedding_bag`, so under
+    :func:`filter_value_and_grad` ``weight`` gets an
+    :class:`~jaxslices.IndexedSlices` gradient.
+
+    Call it on one bag (``[L]`` ids, giving ``[embedding_size]``: ``jax.vmap``
+    it over a batch, it stays sparse), on a padded ``[..., L]`` batch, on a
+    :class:`~jaxslices.JaggedIds`, or with PyTorch's flat ``[N]`` ids and
+    ``offsets`` (``[B]`` starts, ``[B + 1]`` with
+    ``include_last_offset=True``); ``per_sample_weights`` shaped like the ids.
+    Ids outside ``[0, num_embeddings)`` (e.g. ``-1`` padding) contribute
+    nothing; ``padding_idx`` (PyTorch's meaning) is zeroed at initialisation,
+    excluded from every bag and never gets a gradient; ``max_norm`` as in
+    :class:`Embedding`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxslices.equinox as jse
+      >>> bag = jse.EmbeddingBag(100, 4, combiner="sum", key=jax.random.key(0))
+      >>> bag(jnp.array([3, 7, -1])).shape
+      (4,)
+      >>> loss = lambda m, ids: jnp.sum(jax.vmap(m)(ids) ** 2)
+      >>> jse.filter_grad(loss)(bag, jnp.array([[3, 7], [1, 1]])).weight
+      IndexedSlices(float32[100, 4], rows=4)
+    """
+
+    weight: jax.Array
+    num_embeddings: int = eqx.field(static=True)
+    embedding_size: int = eqx.field(static=True)
+    combiner: str = eqx.field(static=True)
+    padding_idx: int | None = eqx.field(static=True)
+    max_norm: float | None = eqx.field(static=True)
+    norm_type: float = eqx.field(static=True)
+    include_last_offset: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_embeddings: int | None = None,
+        embedding_size: int | None = None,
+        weight: Any = None,
+        dtype: Any = None,
+        *,
+        combiner: str = "mean",
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        include_last_offset: bool = False,
+        key: Any = None,
+    ) -> None:
+        table = eqx.nn.Embedding(num_embeddings, embedding_size, weight, dtype, key=key)
+        pad = _layers.check_options(
+            _BAG, table.num_embeddings, padding_idx, max_norm, norm_type, combiner
+        )
+        self.weight = (
+            table.weight
+            if weight is not None
+            else _layers.zero_padding_row(table.weight, pad)
+        )
+        self.num_embeddings = table.num_embeddings
+        self.embedding_size = table.embedding_size
+        self.combiner = combiner
+        self.padding_idx = pad
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.include_last_offset = include_last_offset
+
+    def __call__(
+        self,
+        ids: Any,
+        offsets: Any = None,
+        per_sample_weights: Any = None,
+        *,
+        key: Any = None,
+    ) -> jax.Array:
+        """One combined row per bag; ``key`` is ignored."""
+        return _layers.bag(self, self.weight, ids, offsets, per_sample_weights, _BAG)
+
+    def apply_max_norm(self, ids: Any, offsets: Any = None) -> EmbeddingBag:
+        """This layer with the rows the bags read renormalised in ``weight``."""
+        return _with_weight(self, _BAG, ids, offsets)
 
 
 def filter_value_and_grad(

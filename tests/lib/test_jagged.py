@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import bag_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,26 +24,6 @@ V, D = 9, 3
 
 def _table(seed=0):
     return jnp.asarray(np.random.default_rng(seed).normal(size=(V, D)), jnp.float32)
-
-
-def _reference_bags(table, bags, weights, combiner, padding_id=None):
-    """NumPy float64: one combined row per bag, straight from the definition."""
-    t = np.asarray(table, np.float64)
-    out = np.zeros((len(bags), D))
-    for b, (ids, ws) in enumerate(zip(bags, weights, strict=True)):
-        keep = [(i, w) for i, w in zip(ids, ws, strict=True) if i != padding_id]
-        if not keep:
-            continue
-        s = sum(w * t[i] for i, w in keep)
-        if combiner == "sum":
-            out[b] = s
-        elif combiner == "mean":
-            den = sum(w for _, w in keep)
-            out[b] = s / den if den else 0
-        else:
-            den = np.sqrt(sum(w * w for _, w in keep))
-            out[b] = s / den if den else 0
-    return out
 
 
 def _dense_bag_loss(bags, weights, combiner, padding_id=None):
@@ -246,7 +227,7 @@ def test_forward_and_sparse_gradient_equal_the_references(
 
     out = js.embedding_bag(table, jagged, combiner=combiner, padding_id=padding_id)
     assert out.shape == (4, D)
-    ref = _reference_bags(table, bags, weights, combiner, padding_id)
+    ref = bag_reference(table, bags, weights, combiner, padding_id)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
 
     value, g = _step(combiner)(table, jagged)
@@ -323,7 +304,7 @@ def test_one_compilation_for_every_total_and_check_ids():
         out = f(table, js.jagged_from_lists(bags, max_total=4))
         np.testing.assert_allclose(
             out,
-            _reference_bags(table, bags, [[1.0] * len(b) for b in bags], "sum"),
+            bag_reference(table, bags, [[1.0] * len(b) for b in bags], "sum"),
             rtol=1e-6,
         )
     assert len(traces) == 1
