@@ -36,7 +36,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import _layers, _leaves, autodiff, updates
+from . import _frameworks, _leaves, autodiff, updates
 from .slices import IndexedSlices
 
 __all__ = [
@@ -98,11 +98,11 @@ class Embedding(eqx.nn.Embedding):
         norm_type: float = 2.0,
     ) -> None:
         super().__init__(num_embeddings, embedding_size, weight, dtype, key=key)
-        pad = _layers.check_options(
+        pad = _frameworks.check_options(
             _EMBED, self.num_embeddings, padding_idx, max_norm, norm_type
         )
         if weight is None:  # initialised here: the padding row starts at zero
-            self.weight = _layers.zero_padding_row(self.weight, pad)
+            self.weight = _frameworks.zero_padding_row(self.weight, pad)
         self.padding_idx = pad
         self.max_norm = max_norm
         self.norm_type = norm_type
@@ -115,7 +115,7 @@ class Embedding(eqx.nn.Embedding):
                 f"index `x`, got shape {jnp.shape(x)}. Use `jax.vmap` to look up "
                 "several ids, e.g. `jax.vmap(embedding)(ids)`: it stays sparse."
             )
-        return _layers.lookup(self, self.weight, x, _EMBED)
+        return _frameworks.lookup(self, self.weight, x, _EMBED)
 
     def apply_max_norm(self, ids: Any) -> Embedding:
         """This layer with the rows ``ids`` read renormalised in ``weight``.
@@ -129,7 +129,7 @@ class Embedding(eqx.nn.Embedding):
 
 
 def _with_weight(layer: Any, where: str, ids: Any, offsets: Any) -> Any:
-    weight = _layers.renormed(layer, layer.weight, ids, offsets, where)
+    weight = _frameworks.renormed(layer, layer.weight, ids, offsets, where)
     return eqx.tree_at(lambda m: m.weight, layer, weight)
 
 
@@ -191,13 +191,13 @@ class EmbeddingBag(eqx.Module):
         key: Any = None,
     ) -> None:
         table = eqx.nn.Embedding(num_embeddings, embedding_size, weight, dtype, key=key)
-        pad = _layers.check_options(
+        pad = _frameworks.check_options(
             _BAG, table.num_embeddings, padding_idx, max_norm, norm_type, combiner
         )
         self.weight = (
             table.weight
             if weight is not None
-            else _layers.zero_padding_row(table.weight, pad)
+            else _frameworks.zero_padding_row(table.weight, pad)
         )
         self.num_embeddings = table.num_embeddings
         self.embedding_size = table.embedding_size
@@ -216,7 +216,8 @@ class EmbeddingBag(eqx.Module):
         key: Any = None,
     ) -> jax.Array:
         """One combined row per bag; ``key`` is ignored."""
-        return _layers.bag(self, self.weight, ids, offsets, per_sample_weights, _BAG)
+        weights = per_sample_weights
+        return _frameworks.bag(self, self.weight, ids, offsets, weights, _BAG)
 
     def apply_max_norm(self, ids: Any, offsets: Any = None) -> EmbeddingBag:
         """This layer with the rows the bags read renormalised in ``weight``."""

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from . import _layers
+from . import _frameworks
 
 __all__ = ["Embed", "EmbedBag"]
 
@@ -77,7 +77,7 @@ class Embed(nn.Embed):
     norm_type: float = 2.0
 
     def setup(self) -> None:
-        pad = _layers.check_options(
+        pad = _frameworks.check_options(
             _EMBED,
             self.num_embeddings,
             self.padding_idx,
@@ -93,7 +93,7 @@ class Embed(nn.Embed):
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """Embed integer ids; output shape ``inputs.shape + (features,)``."""
-        rows = _layers.lookup(self, self.embedding, inputs, _EMBED)
+        rows = _frameworks.lookup(self, self.embedding, inputs, _EMBED)
         (rows,) = self.promote_dtype(rows, dtype=self.dtype, inexact=False)
         return rows
 
@@ -106,7 +106,7 @@ def _zeroed(init: Callable[..., Any], pad: int | None) -> Callable[..., Any]:
     """``init`` with the padding row zeroed (PyTorch's initialisation)."""
     if pad is None:
         return init
-    return lambda key, shape, dtype: _layers.zero_padding_row(
+    return lambda key, shape, dtype: _frameworks.zero_padding_row(
         init(key, shape, dtype), pad
     )
 
@@ -153,7 +153,7 @@ class EmbedBag(nn.Module):
     embedding_init: Callable[..., Any] = nn.linear.default_embed_init
 
     def setup(self) -> None:
-        pad = _layers.check_options(
+        pad = _frameworks.check_options(
             _BAG,
             self.num_embeddings,
             self.padding_idx,
@@ -172,7 +172,7 @@ class EmbedBag(nn.Module):
         self, inputs: Any, offsets: Any = None, per_sample_weights: Any = None
     ) -> jax.Array:
         """One combined row per bag: ``[..., features]`` or ``[num_bags, features]``."""
-        out = _layers.bag(
+        out = _frameworks.bag(
             self, self.embedding, inputs, offsets, per_sample_weights, _BAG
         )
         return out if self.dtype is None else out.astype(self.dtype)

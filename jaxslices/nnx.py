@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx import filterlib, graphlib
 
-from . import _layers, autodiff
+from . import _frameworks, autodiff
 
 __all__ = ["Embed", "EmbedBag", "value_and_grad", "grad"]
 
@@ -108,20 +108,20 @@ class Embed(nnx.Embed):
         **kwargs: Any,
     ) -> None:
         where = _EMBED
-        pad = _layers.check_options(
+        pad = _frameworks.check_options(
             where, num_embeddings, padding_idx, max_norm, norm_type
         )
         super().__init__(num_embeddings, features, **kwargs)
         if pad is not None:
             table = self.embedding.get_value()
-            self.embedding.set_value(_layers.zero_padding_row(table, pad))
+            self.embedding.set_value(_frameworks.zero_padding_row(table, pad))
         self.padding_idx = pad
         self.max_norm = max_norm
         self.norm_type = norm_type
 
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         """Embed integer ids; output shape ``inputs.shape + (features,)``."""
-        lookup = functools.partial(_layers.lookup, self, where=_EMBED)
+        lookup = functools.partial(_frameworks.lookup, self, where=_EMBED)
         table = self.embedding.get_value()
         if out_sharding is None:
             rows = lookup(table, inputs)
@@ -144,7 +144,7 @@ class Embed(nnx.Embed):
         with the step's ids, before ``optimizer.update``.
         """
         self.embedding.set_value(
-            _layers.renormed(self, self.embedding.get_value(), inputs, None, _EMBED)
+            _frameworks.renormed(self, self.embedding.get_value(), inputs, None, _EMBED)
         )
 
 
@@ -207,11 +207,11 @@ class EmbedBag(nnx.Module):
         rngs: nnx.Rngs,
     ) -> None:
         where = _BAG
-        pad = _layers.check_options(
+        pad = _frameworks.check_options(
             where, num_embeddings, padding_idx, max_norm, norm_type, combiner
         )
         table = embedding_init(rngs.params(), (num_embeddings, features), param_dtype)
-        self.embedding = nnx.Param(_layers.zero_padding_row(table, pad))
+        self.embedding = nnx.Param(_frameworks.zero_padding_row(table, pad))
         self.num_embeddings = num_embeddings
         self.features = features
         self.combiner = combiner
@@ -230,13 +230,15 @@ class EmbedBag(nnx.Module):
     ) -> jax.Array:
         """One combined row per bag: ``[..., features]`` or ``[num_bags, features]``."""
         table = self.embedding.get_value()
-        out = _layers.bag(self, table, inputs, offsets, per_sample_weights, _BAG)
+        out = _frameworks.bag(self, table, inputs, offsets, per_sample_weights, _BAG)
         return out if self.dtype is None else out.astype(self.dtype)
 
     def apply_max_norm(self, inputs: Any, offsets: Any = None) -> None:
         """Renormalise in the table the rows the bags read (see :class:`Embed`)."""
         self.embedding.set_value(
-            _layers.renormed(self, self.embedding.get_value(), inputs, offsets, _BAG)
+            _frameworks.renormed(
+                self, self.embedding.get_value(), inputs, offsets, _BAG
+            )
         )
 
 

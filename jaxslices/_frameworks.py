@@ -46,7 +46,7 @@ def padding_row(padding_idx: Any, num_embeddings: int, where: str) -> int | None
     """PyTorch's ``padding_idx`` as a row in ``[0, V)`` (negative: from the end).
 
     Example:
-      >>> from jaxslices._layers import padding_row
+      >>> from jaxslices._frameworks import padding_row
       >>> padding_row(-1, 10, "Embed"), padding_row(None, 10, "Embed")
       (9, None)
     """
