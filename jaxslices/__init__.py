@@ -22,6 +22,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import _checkpoint, _moved, transforms
 from . import sharding as sharding
+from ._strict import DenseGradientError as DenseGradientError
 from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
 from .embedding import check_ids as check_ids
@@ -103,6 +104,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    "DenseGradientError",
     "IndexedSlices",
     "JaggedIds",
     "check_ids",

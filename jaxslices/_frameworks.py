@@ -4,6 +4,8 @@ The three framework modules hold only their framework's plumbing (parameter
 creation, fields, gradient entry points); the lookups, their options and the
 options' checks live here, written once:
 
+* ``strict`` (:mod:`jaxslices._strict`): the lookups raise if JAX would
+  differentiate the table densely.
 * PyTorch's options: ``padding_idx`` (:func:`padding_row`: negative counts
   from the end, as in ``torch.nn.Embedding``; the row is zeroed at
   initialisation, read as it is, never given a gradient), ``max_norm`` and
@@ -107,6 +109,7 @@ def lookup(layer: Any, table: jax.Array, inputs: Any, where: str) -> jax.Array:
         padding_id=padding_row(layer.padding_idx, num_rows, where),
         max_norm=layer.max_norm,
         norm_type=layer.norm_type,
+        strict=layer.strict,
     )
 
 
@@ -185,6 +188,7 @@ def bag(
         padding_id=num_rows,
         max_norm=layer.max_norm,
         norm_type=layer.norm_type,
+        strict=layer.strict,
     )
 
 

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ids, _lookup_handlers, _tape
+from . import _ids, _lookup_handlers, _strict, _tape
 from ._ids import check_ids
 from .jagged import JaggedIds, check_jagged, segment_ids, weights_like
 from .max_norm import check_max_norm, renorm_rows
@@ -52,18 +52,21 @@ def _gather(table: jax.Array, safe_ids: jax.Array) -> jax.Array:
     return table.at[safe_ids].get(mode="fill", fill_value=0)
 
 
-@jax.custom_vjp
-def _lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _lookup(table: jax.Array, ids: jax.Array, strict: bool) -> jax.Array:
     return _gather(table, ids)
 
 
-def _lookup_fwd(table, ids):
+def _lookup_fwd(table, ids, strict):
+    # JAX runs this rule only when it differentiates the table, densely: in
+    # strict mode that is an error (jaxslices/_strict.py).
+    _strict.on_dense_lookup(table.shape, strict)
     # The table itself is a residual only to carry its (static) shape and dtype;
     # XLA does not copy it.
     return _gather(table, ids), (table, ids)
 
 
-def _lookup_bwd(res, ct):
+def _lookup_bwd(strict, res, ct):
     table, ids = res
     # The gather's own transpose (a scatter-add into zeros, padding dropped),
     # taken by JAX: inside shard_map(check_vma=True) with ids varying over
@@ -106,6 +109,7 @@ def embedding_lookup(
     padding_id: int | None = None,
     max_norm: float | None = None,
     norm_type: float = 2.0,
+    strict: bool = False,
 ) -> jax.Array:
     """Look up rows: ``table[ids]``, of shape ``ids.shape + table.shape[1:]``.
 
@@ -136,6 +140,10 @@ def embedding_lookup(
       max_norm: renormalise rows whose norm exceeds it (PyTorch's rule:
         ``row * max_norm / (norm + 1e-7)``).
       norm_type: the ``p`` of the p-norm for ``max_norm``.
+      strict: raise :class:`jaxslices.DenseGradientError` at trace time if
+        the table would get a dense gradient (JAX's own ``jax.grad``, or a
+        jaxslices gradient function that falls back to dense): see
+        :mod:`jaxslices._strict`.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -155,7 +163,7 @@ def embedding_lookup(
     safe = _ids.safe_ids(ids, num_rows)
     pad_row = _padding_row(padding_id, num_rows, where)
     if pad_row is None:
-        rows = _lookup_rows(table, safe, handler)
+        rows = _lookup_rows(table, safe, handler, strict)
     else:
         if handler is not None:
             raise ValueError(
@@ -166,7 +174,8 @@ def embedding_lookup(
         # Padding slots are looked up as padding (no gradient, never updated)
         # and read the padding row through stop_gradient.
         is_pad = safe == pad_row
-        rows = _lookup_rows(table, jnp.where(is_pad, num_rows, safe), handler)
+        padded = jnp.where(is_pad, num_rows, safe)
+        rows = _lookup_rows(table, padded, handler, strict)
         held = jax.lax.stop_gradient(table)[pad_row]
         rows = jnp.where(is_pad.reshape(is_pad.shape + (1,) * held.ndim), held, rows)
     return _finish(rows, table, max_norm, norm_type, dtype)
@@ -185,7 +194,7 @@ def _padding_row(padding_id: Any, num_rows: int, where: str) -> int | None:
     return int(padding_id) if 0 <= padding_id < num_rows else None
 
 
-def _lookup_rows(table: Any, safe_ids: jax.Array, handler: Any) -> Any:
+def _lookup_rows(table: Any, safe_ids: jax.Array, handler: Any, strict: bool) -> Any:
     """The lookup proper, on ids from :func:`jaxslices._ids.safe_ids`.
 
     A claimed table goes to its handler; an array to the tap backend
@@ -194,7 +203,7 @@ def _lookup_rows(table: Any, safe_ids: jax.Array, handler: Any) -> Any:
     if handler is not None:
         return handler.lookup(table, safe_ids)
     out = _tape.lookup(table, safe_ids, _gather)
-    return _lookup(table, safe_ids) if out is None else out
+    return _lookup(table, safe_ids, bool(strict)) if out is None else out
 
 
 def _finish(rows: Any, table: Any, max_norm: Any, norm_type: Any, dtype: Any) -> Any:
@@ -219,6 +228,7 @@ def embedding_bag(
     check_ids: bool = False,
     max_norm: float | None = None,
     norm_type: float = 2.0,
+    strict: bool = False,
 ) -> jax.Array:
     """Look up and reduce bags of ids: padded ``[..., L]`` or jagged.
 
@@ -254,6 +264,8 @@ def embedding_bag(
         update is :func:`jaxslices.apply_max_norm`, see
         :func:`embedding_lookup`).
       norm_type: the ``p`` of the p-norm for ``max_norm``.
+      strict: raise if the table would get a dense gradient (see
+        :func:`embedding_lookup`).
 
     Returns:
       ``ids.shape[:-1] + table.shape[1:]``; for jagged ids
@@ -317,7 +329,7 @@ def embedding_bag(
         present = jnp.asarray(present)
         safe = jnp.where(present, safe, num_rows)
     rows = _finish(
-        _lookup_rows(table, safe, handler), table, max_norm, norm_type, dtype
+        _lookup_rows(table, safe, handler, strict), table, max_norm, norm_type, dtype
     )
     compute = rows.dtype
     w = present.astype(compute)

@@ -66,6 +66,9 @@ class Embedding(eqx.nn.Embedding):
     gradient) and ``max_norm`` / ``norm_type`` (rows read whose norm exceeds
     ``max_norm`` are returned renormalised; PyTorch's in-place rescaling of
     the table is :meth:`apply_max_norm`, a row-sparse scatter into ``weight``).
+    ``strict=True``: raise :class:`jaxslices.DenseGradientError` at trace time
+    if the table would get a dense gradient (``eqx.filter_grad`` instead of
+    :func:`filter_grad`, a cast of the model before the call, ...).
 
     Ids: negative ids count from the end, as in the stock layer; an id
     ``>= num_embeddings`` or ``< -num_embeddings`` reads zeros and gets no
@@ -84,6 +87,7 @@ class Embedding(eqx.nn.Embedding):
     padding_idx: int | None = eqx.field(static=True)
     max_norm: float | None = eqx.field(static=True)
     norm_type: float = eqx.field(static=True)
+    strict: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -96,6 +100,7 @@ class Embedding(eqx.nn.Embedding):
         padding_idx: int | None = None,
         max_norm: float | None = None,
         norm_type: float = 2.0,
+        strict: bool = False,
     ) -> None:
         super().__init__(num_embeddings, embedding_size, weight, dtype, key=key)
         pad = _frameworks.check_options(
@@ -106,6 +111,7 @@ class Embedding(eqx.nn.Embedding):
         self.padding_idx = pad
         self.max_norm = max_norm
         self.norm_type = norm_type
+        self.strict = strict
 
     def __call__(self, x: Any, *, key: Any = None) -> jax.Array:
         """Row ``x`` of the table (``x`` a scalar integer); ``key`` is ignored."""
@@ -154,8 +160,8 @@ class EmbeddingBag(eqx.Module):
     ``include_last_offset=True``); ``per_sample_weights`` shaped like the ids.
     Ids outside ``[0, num_embeddings)`` (e.g. ``-1`` padding) contribute
     nothing; ``padding_idx`` (PyTorch's meaning) is zeroed at initialisation,
-    excluded from every bag and never gets a gradient; ``max_norm`` as in
-    :class:`Embedding`.
+    excluded from every bag and never gets a gradient; ``max_norm`` and
+    ``strict`` as in :class:`Embedding`.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxslices.equinox as jse
@@ -175,6 +181,7 @@ class EmbeddingBag(eqx.Module):
     max_norm: float | None = eqx.field(static=True)
     norm_type: float = eqx.field(static=True)
     include_last_offset: bool = eqx.field(static=True)
+    strict: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -188,6 +195,7 @@ class EmbeddingBag(eqx.Module):
         max_norm: float | None = None,
         norm_type: float = 2.0,
         include_last_offset: bool = False,
+        strict: bool = False,
         key: Any = None,
     ) -> None:
         table = eqx.nn.Embedding(num_embeddings, embedding_size, weight, dtype, key=key)
@@ -206,6 +214,7 @@ class EmbeddingBag(eqx.Module):
         self.max_norm = max_norm
         self.norm_type = norm_type
         self.include_last_offset = include_last_offset
+        self.strict = strict
 
     def __call__(
         self,
@@ -224,8 +233,15 @@ class EmbeddingBag(eqx.Module):
         return _with_weight(self, _BAG, ids, offsets)
 
 
+_VG = "jaxslices.equinox.filter_value_and_grad"
+
+
+def _label(i: int, path: str) -> str:
+    return f"model{path}"
+
+
 def filter_value_and_grad(
-    fun: Callable[..., Any], *, has_aux: bool = False
+    fun: Callable[..., Any], *, has_aux: bool = False, strict: bool = False
 ) -> Callable[..., Any]:
     """``eqx.filter_value_and_grad`` with sparse gradients for embedding tables.
 
@@ -235,12 +251,15 @@ def filter_value_and_grad(
     gets an :class:`~jaxslices.IndexedSlices` gradient, every other leaf
     exactly what ``eqx.filter_value_and_grad`` gives. The loss is traced three
     times (see :func:`jaxslices.value_and_grad`). Apply the updates with
-    :func:`apply_updates`.
+    :func:`apply_updates`. ``strict=True``: a table that would get a dense
+    gradient (a stock ``eqx.nn.Embedding``, ``weight[ids]``, a cast) raises
+    :class:`jaxslices.DenseGradientError` at trace time.
 
     Args:
       fun: ``fun(model, *args, **kwargs)``, returning a scalar, or
         ``(scalar, aux)`` with ``has_aux``.
       has_aux: as in ``eqx.filter_value_and_grad``.
+      strict: raise instead of giving a table a dense gradient.
 
     Returns:
       A function returning ``(value, grads)`` or ``((value, aux), grads)``.
@@ -261,14 +280,15 @@ def filter_value_and_grad(
         def call(diff: Any, static: Any, *args: Any, **kwargs: Any) -> Any:
             return fun(eqx.combine(diff, static), *args, **kwargs)
 
-        return autodiff.value_and_grad(call, has_aux=has_aux)(
-            diff, static, *args, **kwargs
-        )
+        vg = autodiff.differentiate(call, 0, has_aux, strict, _VG, _label)
+        return vg(diff, static, *args, **kwargs)
 
     return wrapper
 
 
-def filter_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable:
+def filter_grad(
+    fun: Callable[..., Any], *, has_aux: bool = False, strict: bool = False
+) -> Callable:
     """``eqx.filter_grad`` with sparse gradients; see :func:`filter_value_and_grad`.
 
     Example:
@@ -277,7 +297,7 @@ def filter_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable:
       >>> jse.filter_grad(lambda m: m(jnp.array(4)).sum())(emb).weight.indices
       Array([4], dtype=int32)
     """
-    vg = filter_value_and_grad(fun, has_aux=has_aux)
+    vg = filter_value_and_grad(fun, has_aux=has_aux, strict=strict)
     return autodiff.grad_from_value_and_grad(vg, fun, has_aux)
 
 

@@ -54,7 +54,9 @@ class Embed(nn.Embed):
     / ``norm_type`` (rows read whose norm exceeds ``max_norm`` are returned
     renormalised; PyTorch's in-place rescaling of the table is
     :func:`jaxslices.apply_max_norm` of the ``"embedding"`` leaf, a row-sparse
-    scatter in the training step).
+    scatter in the training step). ``strict=True``: raise
+    :class:`jaxslices.DenseGradientError` at trace time if the table would get
+    a dense gradient (``jax.grad`` of the loss, params cast before ``apply``).
 
     Ids: negative ids count from the end, as in the stock layer; an id
     ``>= num_embeddings`` or ``< -num_embeddings`` reads zeros and gets no
@@ -75,6 +77,7 @@ class Embed(nn.Embed):
     padding_idx: int | None = None
     max_norm: float | None = None
     norm_type: float = 2.0
+    strict: bool = False
 
     def setup(self) -> None:
         pad = _frameworks.check_options(
@@ -126,8 +129,8 @@ class EmbedBag(nn.Module):
     ``include_last_offset=True``); ``per_sample_weights`` shaped like the ids.
     Ids outside ``[0, num_embeddings)`` (e.g. ``-1`` padding) contribute
     nothing; ``padding_idx`` (PyTorch's meaning) is zeroed at initialisation,
-    excluded from every bag and never gets a gradient; ``max_norm`` as in
-    :class:`Embed`.
+    excluded from every bag and never gets a gradient; ``max_norm`` and
+    ``strict`` as in :class:`Embed`.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxslices, jaxslices.linen
@@ -148,6 +151,7 @@ class EmbedBag(nn.Module):
     max_norm: float | None = None
     norm_type: float = 2.0
     include_last_offset: bool = False
+    strict: bool = False
     dtype: Any = None
     param_dtype: Any = jnp.float32
     embedding_init: Callable[..., Any] = nn.linear.default_embed_init

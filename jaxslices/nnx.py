@@ -73,6 +73,10 @@ class Embed(nnx.Embed):
       them in the table, in place: call :meth:`apply_max_norm` with the ids of
       the step (a row-sparse update) before ``optimizer.update``.
 
+    ``strict=True``: raise :class:`jaxslices.DenseGradientError` at trace time
+    if the table would get a dense gradient (differentiated by ``nnx.grad``
+    instead of :func:`jaxslices.nnx.grad`, cast before the lookup, ...).
+
     Ids: negative ids count from the end, as in the stock layer; an id
     ``>= num_embeddings`` or ``< -num_embeddings`` reads zeros and gets no
     gradient (the stock layer reads NaN). With ``num_embeddings == 1`` every id
@@ -105,6 +109,7 @@ class Embed(nnx.Embed):
         padding_idx: int | None = None,
         max_norm: float | None = None,
         norm_type: float = 2.0,
+        strict: bool = False,
         **kwargs: Any,
     ) -> None:
         where = _EMBED
@@ -118,6 +123,7 @@ class Embed(nnx.Embed):
         self.padding_idx = pad
         self.max_norm = max_norm
         self.norm_type = norm_type
+        self.strict = strict
 
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         """Embed integer ids; output shape ``inputs.shape + (features,)``."""
@@ -175,7 +181,7 @@ class EmbedBag(nnx.Module):
     combiner. Ids outside ``[0, num_embeddings)`` (e.g. ``-1`` padding)
     contribute nothing. ``padding_idx``: that row is zeroed at
     initialisation, excluded from every bag and never gets a gradient
-    (PyTorch's meaning). ``max_norm``: as in :class:`Embed`
+    (PyTorch's meaning). ``max_norm`` and ``strict``: as in :class:`Embed`
     (:meth:`apply_max_norm` renormalises the table's rows).
 
     Example:
@@ -201,6 +207,7 @@ class EmbedBag(nnx.Module):
         max_norm: float | None = None,
         norm_type: float = 2.0,
         include_last_offset: bool = False,
+        strict: bool = False,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         embedding_init: Any = _EMBED_INIT,
@@ -219,6 +226,7 @@ class EmbedBag(nnx.Module):
         self.max_norm = max_norm
         self.norm_type = norm_type
         self.include_last_offset = include_last_offset
+        self.strict = strict
         self.dtype = dtype
         self.param_dtype = param_dtype
 
@@ -280,6 +288,16 @@ def _diff_specs(
     return specs
 
 
+def _label(i: int, path: str) -> str:
+    """A differentiated leaf in strict mode's messages: ``argument 0['emb']...``.
+
+    ``path`` is the leaf's path in the diff state or the plain arguments,
+    both keyed by argnum first (``[0]['emb']['embedding'].value``).
+    """
+    argnum, _, rest = path.removeprefix("[").partition("]")
+    return f"argument {argnum}{rest.removesuffix('.value')}"
+
+
 def _bind_kwargs(f: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
     """Move keyword arguments that could be positional into ``args``."""
     if not kwargs:
@@ -296,6 +314,7 @@ def value_and_grad(
     argnums: int | nnx.DiffState | Sequence[int | nnx.DiffState] = 0,
     *,
     has_aux: bool = False,
+    strict: bool = False,
 ) -> Callable[..., Any]:
     """``nnx.value_and_grad`` with sparse gradients for embedding tables.
 
@@ -319,10 +338,16 @@ def value_and_grad(
     never differentiated. Not supported (unlike ``nnx.value_and_grad``):
     ``holomorphic``, ``allow_int``, ``reduce_axes`` and the ``graph`` options.
 
+    ``strict=True``: a table that would get a dense gradient (read by a stock
+    ``nnx.Embed`` or by indexing, cast, tied, looked up inside ``scan``)
+    raises :class:`jaxslices.DenseGradientError` at trace time, naming it (its
+    path in the model), the reason and the fix.
+
     Args:
       f: the loss; returns a scalar, or ``(scalar, aux)`` with ``has_aux``.
       argnums: an int, an ``nnx.DiffState`` or a sequence of them.
       has_aux: as in ``nnx.value_and_grad``.
+      strict: raise instead of giving a table a dense gradient.
 
     Returns:
       A function returning ``(value, grads)`` or ``((value, aux), grads)``;
@@ -388,8 +413,8 @@ def value_and_grad(
             new_rest = nnx.split(merged, is_diff, ...)[2] if nodes else rest
             return loss, (aux, new_rest)
 
-        (loss, (aux, new_rest)), (g_state, g_plain) = autodiff.value_and_grad(
-            pure, argnums=(0, 1), has_aux=True
+        (loss, (aux, new_rest)), (g_state, g_plain) = autodiff.differentiate(
+            pure, (0, 1), True, strict, _WHERE, _label
         )(diff_state, plain, rest)
         if nodes:
             nnx.update(nodes, new_rest)
@@ -410,10 +435,12 @@ def grad(
     argnums: int | nnx.DiffState | Sequence[int | nnx.DiffState] = 0,
     *,
     has_aux: bool = False,
+    strict: bool = False,
 ) -> Callable[..., Any]:
     """``nnx.grad`` with sparse gradients for embedding tables.
 
-    See :func:`value_and_grad`; returns ``grads`` or ``(grads, aux)``.
+    See :func:`value_and_grad` (``strict`` included); returns ``grads`` or
+    ``(grads, aux)``.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices.nnx
@@ -423,5 +450,5 @@ def grad(
       >>> g["embedding"].get_value().to_dense()[4]
       Array([2., 2.], dtype=float32)
     """
-    vg = value_and_grad(f, argnums, has_aux=has_aux)
+    vg = value_and_grad(f, argnums, has_aux=has_aux, strict=strict)
     return autodiff.grad_from_value_and_grad(vg, f, has_aux)
