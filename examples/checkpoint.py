@@ -55,7 +55,9 @@ def nnx_loss(model, users, items, labels):
 
 @nnx.jit(donate_argnums=(0, 1))
 def nnx_step(model, optimizer, users, items, labels):
-    loss, grads = jaxslices.nnx.value_and_grad(nnx_loss)(model, users, items, labels)
+    loss, grads = jaxslices.nnx.value_and_grad(nnx_loss, strict=True)(
+        model, users, items, labels
+    )
     optimizer.update(model, grads)
     return loss
 
@@ -158,7 +160,7 @@ def run_eqx(directory: Path, steps, batch, num_ids, dim, seed) -> dict:
 
     @eqx.filter_jit
     def step(model, state, ids, y):
-        _, grads = jse.filter_value_and_grad(eqx_loss)(model, ids, y)
+        _, grads = jse.filter_value_and_grad(eqx_loss, strict=True)(model, ids, y)
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, state = tx.update(grads, state, params)
         return jse.apply_updates(model, updates), state

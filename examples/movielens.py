@@ -79,7 +79,7 @@ def _dense_lookup(table, ids):
 def make_step(sparse: bool, lr: float, reg: float, mu: float):
     if sparse:
         opt = js.adagrad(lr)
-        grad_fn = js.value_and_grad(loss_fn)
+        grad_fn = js.value_and_grad(loss_fn, strict=True)  # dense tables raise
         apply = js.apply_updates
         lookup = js.embedding_lookup
     else:

@@ -45,7 +45,7 @@ def make_sharded_step(tx, mu, reg, routing, capacity):
     )
 
     def step(params, state, users, items, ratings):
-        loss, grads = js.value_and_grad(movielens.loss_fn)(
+        loss, grads = js.value_and_grad(movielens.loss_fn, strict=True)(
             params, users, items, ratings, mu, reg, lookup
         )
         params, state = js.sharded_update(

@@ -141,7 +141,7 @@ def main(
     state = opt.init(params)
 
     def _step(params, state, c, x, n):
-        loss, grads = js.value_and_grad(loss_fn)(params, c, x, n)
+        loss, grads = js.value_and_grad(loss_fn, strict=True)(params, c, x, n)
         updates, state = opt.update(grads, state, params)
         return js.apply_updates(params, updates), state, loss
 

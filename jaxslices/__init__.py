@@ -23,11 +23,18 @@ from importlib.metadata import PackageNotFoundError, version
 from . import _checkpoint, _moved, transforms
 from . import capacity as capacity
 from . import sharding as sharding
+from ._strict import DenseGradientError as DenseGradientError
 from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
 from .embedding import check_ids as check_ids
 from .embedding import embedding_bag as embedding_bag
 from .embedding import embedding_lookup as embedding_lookup
+from .jagged import JaggedIds as JaggedIds
+from .jagged import check_jagged as check_jagged
+from .jagged import jagged_from_lengths as jagged_from_lengths
+from .jagged import jagged_from_lists as jagged_from_lists
+from .jagged import jagged_from_padded as jagged_from_padded
+from .max_norm import apply_max_norm as apply_max_norm
 from .sharding import shard_rows as shard_rows
 from .sharding import sharded_init as sharded_init
 from .sharding import sharded_lookup as sharded_lookup
@@ -99,11 +106,18 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    "DenseGradientError",
     "IndexedSlices",
+    "JaggedIds",
     "check_ids",
+    "check_jagged",
     "embedding_bag",
     "embedding_lookup",
     "grad",
+    "jagged_from_lengths",
+    "jagged_from_lists",
+    "jagged_from_padded",
+    "apply_max_norm",
     "value_and_grad",
     "coalesce",
     "concatenate",

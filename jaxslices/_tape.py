@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from . import _jax_compat
+from . import _jax_compat, _strict
 from .slices import IndexedSlices
 
 trace_state = _jax_compat.trace_state
@@ -257,10 +257,19 @@ Call = Callable[[Sequence[Any]], Any]
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The leaves that get sparse gradients and their lookups, in call order."""
+    """The leaves that get sparse gradients and their lookups, in call order.
+
+    For strict mode (``jaxslices/_strict.py``) it also says why other leaves
+    are dense: ``looked_up``, every leaf a lookup read at all; ``nested``, the
+    leaves looked up in a nested scope; ``uses``, how the probe saw the
+    dropped tables and the watched leaves used (``_strict.findings``).
+    """
 
     sparse: tuple[int, ...]
     records: tuple[LookupRecord, ...]
+    looked_up: frozenset[int] = frozenset()
+    nested: frozenset[int] = frozenset()
+    uses: Mapping[int, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,7 +311,12 @@ def discover(call: Call, leaves: Sequence[Any], others: Sequence[Any] = ()) -> P
         jax.eval_shape(fn, *[leaves[k] for k in candidates])
     looked_up = {r.leaf for r in tape.records}
     sparse = tuple(sorted((looked_up - tape.dense) & set(candidates)))
-    return Plan(sparse, tuple(r for r in tape.records if r.leaf in sparse))
+    return Plan(
+        sparse,
+        tuple(r for r in tape.records if r.leaf in sparse),
+        looked_up=frozenset(looked_up | tape.dense),
+        nested=frozenset(tape.dense),
+    )
 
 
 def _run_tapped(call, leaves, plan, replace, replacements, taps, sever):
@@ -325,24 +339,48 @@ def _run_tapped(call, leaves, plan, replace, replacements, taps, sever):
     return out, tape
 
 
-def probe(call: Call, leaves: Sequence[Any], plan: Plan, has_aux: bool) -> Plan:
-    """Keep the tables the loss reads through their lookups only."""
-    if not plan.sparse:
-        return plan
+def probe(
+    call: Call,
+    leaves: Sequence[Any],
+    plan: Plan,
+    has_aux: bool,
+    watch: Sequence[int] = (),
+) -> Plan:
+    """Keep the tables the loss reads through their lookups only.
 
-    def fn(tables, taps):
-        out, _ = _run_tapped(call, leaves, plan, plan.sparse, tables, taps, True)
+    ``watch`` (strict mode): further leaves whose uses the returned plan
+    reports in ``uses`` (with those of the dropped tables); they are inputs
+    of the probe's jaxpr too, so a probe runs even without a sparse table.
+    """
+    watch = [k for k in watch if k not in plan.sparse]
+    if not plan.sparse and not watch:
+        return plan
+    replace = [*plan.sparse, *watch]
+
+    def fn(values, taps):
+        out, _ = _run_tapped(call, leaves, plan, replace, values, taps, True)
         return out[0] if has_aux else out
 
     taps = [_zeros_tap(r) for r in plan.records]
-    closed = jax.make_jaxpr(fn)([leaves[k] for k in plan.sparse], taps)
-    table_vars = closed.jaxpr.invars[: len(plan.sparse)]
+    closed = jax.make_jaxpr(fn)([leaves[k] for k in replace], taps)
+    invars = closed.jaxpr.invars[: len(replace)]
+    table_vars = invars[: len(plan.sparse)]
     sparse = tuple(
         k
         for k, var in zip(plan.sparse, table_vars, strict=True)
         if _uses_only_stop_gradient(closed.jaxpr, var)
     )
-    return Plan(sparse, tuple(r for r in plan.records if r.leaf in sparse))
+    uses = {}
+    if watch:  # strict mode: how every leaf that is not sparse is used
+        dense = {id(v): k for k, v in zip(replace, invars, strict=True)}
+        dense = {i: k for i, k in dense.items() if k not in sparse}
+        uses = _strict.findings(closed.jaxpr, dense)
+    return dataclasses.replace(
+        plan,
+        sparse=sparse,
+        records=tuple(r for r in plan.records if r.leaf in sparse),
+        uses=uses,
+    )
 
 
 def _uses_only_stop_gradient(jaxpr: Any, var: Any) -> bool:

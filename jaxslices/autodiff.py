@@ -46,9 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _tape
+from . import _strict, _tape
 
-__all__ = ["value_and_grad", "grad"]
+__all__ = ["value_and_grad", "grad", "differentiate"]
 
 
 def _argnums_tuple(argnums: int | Sequence[int], nargs: int) -> tuple[int, ...]:
@@ -84,6 +84,8 @@ def value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
+    *,
+    strict: bool = False,
 ) -> Callable[..., Any]:
     """Like ``jax.value_and_grad``, with sparse gradients for embedding tables.
 
@@ -97,6 +99,13 @@ def value_and_grad(
     ``cond``, an inner ``jit`` or ``checkpoint``). Lookups under ``jax.vmap``,
     nested or not (Equinox-style per-example code), stay sparse.
 
+    ``strict=True`` turns those silent dense gradients into a
+    :class:`jaxslices.DenseGradientError` at trace time, naming each table
+    (a float leaf that is looked up or read by indexing, ``table[ids]``), why
+    its gradient would be dense (read by indexing, cast before its lookup,
+    also used another way, looked up inside ``scan``) and the fix. It costs
+    one more trace when no table is sparse, none otherwise.
+
     The loss is traced three times per call (discover, probe, differentiate;
     two or three when everything falls back to dense); under ``jax.jit`` that
     cost is paid once per compilation. Any JAX transformation on top of this
@@ -108,6 +117,7 @@ def value_and_grad(
       fun: the loss; returns a scalar, or ``(scalar, aux)`` with ``has_aux``.
       argnums: which positional argument(s) to differentiate.
       has_aux: as in ``jax.value_and_grad``.
+      strict: raise instead of giving a table a dense gradient.
 
     Returns:
       A function returning ``(value, grads)`` or ``((value, aux), grads)``.
@@ -123,7 +133,30 @@ def value_and_grad(
       IndexedSlices(float32[10, 4], rows=3)
       >>> grads["emb"].indices
       Array([6, 1, 1], dtype=int32)
+      >>> dense = lambda params, ids: jnp.sum(params["emb"][ids] @ params["w"])
+      >>> jaxslices.value_and_grad(dense, strict=True)(params, jnp.array([6]))
+      Traceback (most recent call last):
+      ...
+      jaxslices.DenseGradientError: jaxslices.value_and_grad(strict=True): 1 table ...
+        * argument 0['emb'] (shape (10, 4)): it is read by indexing (`gather`: ...
     """
+    return differentiate(fun, argnums, has_aux, strict, "jaxslices.value_and_grad")
+
+
+def differentiate(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int],
+    has_aux: bool,
+    strict: bool,
+    where: str,
+    label: Callable[[int, str], str] | None = None,
+) -> Callable[..., Any]:
+    """:func:`value_and_grad`, as every jaxslices gradient function calls it.
+
+    ``where`` names the caller's function in strict mode's messages, and
+    ``label(argnum, keystr)`` a differentiated leaf (default: ``argument 0['emb']``).
+    """
+    label = label or (lambda i, path: f"argument {i}{path}")
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -147,10 +180,21 @@ def value_and_grad(
             ([a for i, a in enumerate(args) if i not in nums], kwargs)
         )
         plan = _tape.discover(call, leaves, others)
-        plan = _tape.probe(call, leaves, plan, has_aux)
-        if not plan.sparse:
-            return dense_fallback()
-        (value, aux), g_dense, tapped = _tape.run(call, leaves, plan, has_aux)
+        watch = [k for k, x in enumerate(leaves) if _is_float(x)] if strict else ()
+        plan = _tape.probe(call, leaves, plan, has_aux, watch=watch)
+        if strict:
+            _strict.check(
+                where,
+                _labels(args, nums, label),
+                [tuple(jnp.shape(x)) for x in leaves],
+                plan.nested,
+                plan.looked_up,
+                plan.uses,
+            )
+        with _strict.differentiating(strict, where):
+            if not plan.sparse:
+                return dense_fallback()
+            (value, aux), g_dense, tapped = _tape.run(call, leaves, plan, has_aux)
         grads = {**g_dense, **_tape.pack(plan, tapped, leaves)}
         per_arg = jax.tree.unflatten(treedef, [grads[k] for k in range(len(leaves))])
         g = per_arg[0] if _is_index(argnums) else tuple(per_arg)
@@ -159,14 +203,29 @@ def value_and_grad(
     return wrapped
 
 
+def _is_float(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _labels(args: tuple, nums: tuple[int, ...], label: Callable) -> list[str]:
+    """A name for each differentiated leaf, in ``jax.tree.flatten`` order."""
+    out = []
+    for i in nums:
+        for path, _ in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+            out.append(label(i, jax.tree_util.keystr(path)))
+    return out
+
+
 def grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
+    *,
+    strict: bool = False,
 ) -> Callable[..., Any]:
     """Like ``jax.grad``, with sparse gradients for embedding tables.
 
-    See :func:`value_and_grad`.
+    See :func:`value_and_grad` (``strict`` included).
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -174,7 +233,8 @@ def grad(
       >>> jaxslices.grad(loss)(jnp.ones((5, 2)), jnp.array([4, 4])).to_dense()[4]
       Array([4., 4.], dtype=float32)
     """
-    return grad_from_value_and_grad(value_and_grad(fun, argnums, has_aux), fun, has_aux)
+    vg = value_and_grad(fun, argnums, has_aux, strict=strict)
+    return grad_from_value_and_grad(vg, fun, has_aux)
 
 
 def grad_from_value_and_grad(

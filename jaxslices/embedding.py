@@ -32,14 +32,17 @@ gradient.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ids, _lookup_handlers, _tape
+from . import _ids, _lookup_handlers, _strict, _tape
 from ._ids import check_ids
+from .jagged import JaggedIds, check_jagged, segment_ids, weights_like
+from .max_norm import check_max_norm, renorm_rows
 
 __all__ = ["embedding_lookup", "embedding_bag", "check_ids"]
 
@@ -49,18 +52,21 @@ def _gather(table: jax.Array, safe_ids: jax.Array) -> jax.Array:
     return table.at[safe_ids].get(mode="fill", fill_value=0)
 
 
-@jax.custom_vjp
-def _lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _lookup(table: jax.Array, ids: jax.Array, strict: bool) -> jax.Array:
     return _gather(table, ids)
 
 
-def _lookup_fwd(table, ids):
+def _lookup_fwd(table, ids, strict):
+    # JAX runs this rule only when it differentiates the table, densely: in
+    # strict mode that is an error (jaxslices/_strict.py).
+    _strict.on_dense_lookup(table.shape, strict)
     # The table itself is a residual only to carry its (static) shape and dtype;
     # XLA does not copy it.
     return _gather(table, ids), (table, ids)
 
 
-def _lookup_bwd(res, ct):
+def _lookup_bwd(strict, res, ct):
     table, ids = res
     # The gather's own transpose (a scatter-add into zeros, padding dropped),
     # taken by JAX: inside shard_map(check_vma=True) with ids varying over
@@ -100,6 +106,10 @@ def embedding_lookup(
     *,
     dtype: Any = None,
     check_ids: bool = False,
+    padding_id: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    strict: bool = False,
 ) -> jax.Array:
     """Look up rows: ``table[ids]``, of shape ``ids.shape + table.shape[1:]``.
 
@@ -109,6 +119,15 @@ def embedding_lookup(
     (the lookup is a ``jax.custom_vjp``, so forward-mode ``jax.jvp`` is not
     supported through it).
 
+    ``padding_id`` and ``max_norm`` are ``torch.nn.functional.embedding``'s
+    ``padding_idx`` and ``max_norm``: the padding row is read as it is but
+    gets no gradient (its slots are padding in a sparse gradient, so no
+    optimizer ever touches it); with ``max_norm`` every row read whose norm
+    exceeds it is returned renormalised, with PyTorch's (unscaled) gradient.
+    PyTorch also renormalises those rows in the table, in place: here that is
+    :func:`jaxslices.apply_max_norm`, a row-sparse scatter to run in the
+    training step before the optimizer's update (see :mod:`jaxslices.max_norm`).
+
     Args:
       table: ``[V, ...]`` array.
       ids: integer array of any shape. Ids outside ``[0, V)`` read zeros and
@@ -116,6 +135,15 @@ def embedding_lookup(
       dtype: if given, cast the gathered rows to it (after the gather, so a
         bf16 compute path keeps the sparse gradient, in the table's dtype).
       check_ids: raise an error (also under ``jit``) if an id is out of range.
+      padding_id: a row id (in ``[0, V)``; other values are out of range
+        anyway) whose row is read but never gets a gradient.
+      max_norm: renormalise rows whose norm exceeds it (PyTorch's rule:
+        ``row * max_norm / (norm + 1e-7)``).
+      norm_type: the ``p`` of the p-norm for ``max_norm``.
+      strict: raise :class:`jaxslices.DenseGradientError` at trace time if
+        the table would get a dense gradient (JAX's own ``jax.grad``, or a
+        jaxslices gradient function that falls back to dense): see
+        :mod:`jaxslices._strict`.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -123,30 +151,67 @@ def embedding_lookup(
       >>> jaxslices.embedding_lookup(table, jnp.array([[3, 0]]))
       Array([[[6., 7.],
               [0., 1.]]], dtype=float32)
+      >>> jaxslices.grad(lambda t: jaxslices.embedding_lookup(
+      ...     t, jnp.array([3, 0, 0]), padding_id=0).sum())(table).indices
+      Array([3, 4, 4], dtype=int32)
     """
-    table, ids, num_rows, handler = _prepare(table, ids, "embedding_lookup")
+    where = "embedding_lookup"
+    table, ids, num_rows, handler = _prepare(table, ids, where)
+    check_max_norm(max_norm, norm_type, where)
     if check_ids:
-        ids = _ids.check(
-            ids, num_rows, "embedding_lookup(check_ids=True)", like=(table,)
+        ids = _ids.check(ids, num_rows, f"{where}(check_ids=True)", like=(table,))
+    safe = _ids.safe_ids(ids, num_rows)
+    pad_row = _padding_row(padding_id, num_rows, where)
+    if pad_row is None:
+        rows = _lookup_rows(table, safe, handler, strict)
+    else:
+        if handler is not None:
+            raise ValueError(
+                f"{where}: `padding_id` is not supported for a table of the native "
+                "backend; use an array table, or embedding_bag(padding_id=...), "
+                "which drops padding ids from the bags."
+            )
+        # Padding slots are looked up as padding (no gradient, never updated)
+        # and read the padding row through stop_gradient.
+        is_pad = safe == pad_row
+        padded = jnp.where(is_pad, num_rows, safe)
+        rows = _lookup_rows(table, padded, handler, strict)
+        held = jax.lax.stop_gradient(table)[pad_row]
+        rows = jnp.where(is_pad.reshape(is_pad.shape + (1,) * held.ndim), held, rows)
+    return _finish(rows, table, max_norm, norm_type, dtype)
+
+
+def _padding_row(padding_id: Any, num_rows: int, where: str) -> int | None:
+    """``padding_id`` if it names a row (an int in ``[0, V)``), else ``None``."""
+    if padding_id is None:
+        return None
+    if isinstance(padding_id, jax.core.Tracer) or not isinstance(
+        padding_id, int | np.integer
+    ):
+        raise TypeError(
+            f"{where}: `padding_id` must be a Python int (static), got {padding_id!r}."
         )
-    return _lookup_rows(table, _ids.safe_ids(ids, num_rows), dtype, handler)
+    return int(padding_id) if 0 <= padding_id < num_rows else None
 
 
-def _lookup_rows(table: Any, safe_ids: jax.Array, dtype: Any, handler: Any) -> Any:
+def _lookup_rows(table: Any, safe_ids: jax.Array, handler: Any, strict: bool) -> Any:
     """The lookup proper, on ids from :func:`jaxslices._ids.safe_ids`.
 
     A claimed table goes to its handler; an array to the tap backend
     (active under ``value_and_grad``, else ``None``), then the plain lookup.
     """
     if handler is not None:
-        out = handler.lookup(table, safe_ids)
-    else:
-        out = _tape.lookup(table, safe_ids, _gather)
-        if out is None:
-            out = _lookup(table, safe_ids)
-    if dtype is not None:
-        out = out.astype(dtype)
-    return out
+        return handler.lookup(table, safe_ids)
+    out = _tape.lookup(table, safe_ids, _gather)
+    return _lookup(table, safe_ids, bool(strict)) if out is None else out
+
+
+def _finish(rows: Any, table: Any, max_norm: Any, norm_type: Any, dtype: Any) -> Any:
+    """``max_norm`` (in the table's dtype, as PyTorch), then the ``dtype`` cast."""
+    if max_norm is not None:
+        row_ndim = len(jnp.shape(table)) - 1
+        rows = renorm_rows(rows, max_norm, norm_type=norm_type, row_ndim=row_ndim)
+    return rows if dtype is None else rows.astype(dtype)
 
 
 _COMBINERS = ("mean", "sum", "sqrtn")
@@ -154,69 +219,105 @@ _COMBINERS = ("mean", "sum", "sqrtn")
 
 def embedding_bag(
     table: jax.Array,
-    ids: jax.Array,
+    ids: jax.Array | JaggedIds,
     *,
     weights: jax.Array | None = None,
     combiner: Literal["mean", "sum", "sqrtn"] = "mean",
     padding_id: int | None = None,
     dtype: Any = None,
     check_ids: bool = False,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    strict: bool = False,
 ) -> jax.Array:
-    """Look up and reduce bags of ids over the last axis of ``ids``.
+    """Look up and reduce bags of ids: padded ``[..., L]`` or jagged.
 
-    Like ``tf.nn.embedding_lookup_sparse`` and ``torch.nn.EmbeddingBag`` on a
-    dense ``[..., L]`` id array. With weights ``w`` (ones if ``None``) and rows
-    ``r``: ``"sum"`` is ``Σ w·r``, ``"mean"`` is ``Σ w·r / Σ w`` and ``"sqrtn"``
-    is ``Σ w·r / sqrt(Σ w²)``. Ids equal to ``padding_id`` contribute nothing,
-    forward or backward (their slots become padding in a sparse gradient). A
-    bag with nothing in it gives zeros, not NaN. The table's gradient under
-    :func:`jaxslices.value_and_grad` is sparse, as for :func:`embedding_lookup`.
+    Like ``tf.nn.embedding_lookup_sparse`` and ``torch.nn.EmbeddingBag``. The
+    bags are either the last axis of a dense ``[..., L]`` id array, or the bags
+    of a :class:`~jaxslices.JaggedIds` (flat ids plus offsets, as
+    ``EmbeddingBag(input, offsets)``; see :mod:`jaxslices.jagged`). With
+    weights ``w`` (ones if ``None``) and rows ``r``: ``"sum"`` is ``Σ w·r``,
+    ``"mean"`` is ``Σ w·r / Σ w`` and ``"sqrtn"`` is ``Σ w·r / sqrt(Σ w²)``.
+    Ids equal to ``padding_id`` contribute nothing, forward or backward (their
+    slots become padding in a sparse gradient). Other out-of-range ids read
+    zero rows (the ids policy) and still count in ``"mean"`` / ``"sqrtn"``
+    denominators: mark empty slots with ``padding_id`` (the bag layers of
+    :mod:`jaxslices.nnx`, ``.linen`` and ``.equinox`` leave every
+    out-of-range id out). A bag with nothing in it gives zeros, not NaN.
+    The table's gradient under :func:`jaxslices.value_and_grad` is sparse,
+    as for :func:`embedding_lookup`: one slot per id slot (for jagged ids
+    ``max_total`` slots, the unused ones padding).
 
     Args:
       table: ``[V, ...]`` array.
-      ids: integer ``[..., L]`` array of bags of length ``L``.
-      weights: optional ``[..., L]`` per-id weights.
+      ids: integer ``[..., L]`` array of bags of length ``L``, or a
+        :class:`~jaxslices.JaggedIds` (its offsets are checked with
+        :func:`jaxslices.check_jagged`).
+      weights: optional per-id weights shaped like ``ids`` (for jagged ids,
+        ``[max_total]``, or give them in the ``JaggedIds``, not both).
       combiner: ``"mean"``, ``"sum"`` or ``"sqrtn"``.
       padding_id: id that marks an empty slot in a bag.
       dtype: cast the looked-up rows to this dtype.
       check_ids: raise if a (non-padding) id is out of range.
+      max_norm: renormalise the rows read whose norm exceeds it, before
+        weighting (``torch.nn.EmbeddingBag``'s ``max_norm``; the table's own
+        update is :func:`jaxslices.apply_max_norm`, see
+        :func:`embedding_lookup`).
+      norm_type: the ``p`` of the p-norm for ``max_norm``.
+      strict: raise if the table would get a dense gradient (see
+        :func:`embedding_lookup`).
 
     Returns:
-      ``ids.shape[:-1] + table.shape[1:]``.
+      ``ids.shape[:-1] + table.shape[1:]``; for jagged ids
+      ``(num_bags,) + table.shape[1:]``.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
       >>> table = jnp.array([[1.0], [3.0], [5.0]])
       >>> jaxslices.embedding_bag(table, jnp.array([[0, 2, 9]]), padding_id=9)
       Array([[3.]], dtype=float32)
+      >>> bags = jaxslices.jagged_from_lists([[0, 2], [1]], max_total=4)
+      >>> jaxslices.embedding_bag(table, bags, combiner="sum")
+      Array([[6.],
+             [3.]], dtype=float32)
     """
-    table, ids, num_rows, handler = _prepare(table, ids, "embedding_bag")
+    where = "embedding_bag"
+    check_max_norm(max_norm, norm_type, where)
     if combiner not in _COMBINERS:
         raise ValueError(
-            f"embedding_bag: `combiner` must be one of {_COMBINERS}, got {combiner!r}."
+            f"{where}: `combiner` must be one of {_COMBINERS}, got {combiner!r}."
         )
+    segments = None
+    if isinstance(ids, JaggedIds):
+        jagged = check_jagged(ids, where)
+        if weights is not None and jagged.weights is not None:
+            raise ValueError(
+                f"{where}: weights given twice, in `weights` and in the JaggedIds; "
+                "pass one of them."
+            )
+        weights = jagged.weights if weights is None else weights
+        ids = jagged.values
+        segments = (segment_ids(jagged.offsets, jagged.max_total), jagged.num_bags)
+    table, ids, num_rows, handler = _prepare(table, ids, where)
     if ids.ndim < 1:
         raise ValueError(
-            "embedding_bag: `ids` must have at least one axis (the bag), got a "
+            f"{where}: `ids` must have at least one axis (the bag), got a "
             "scalar. Use embedding_lookup for single ids."
         )
-    if weights is not None:
-        weights = jnp.asarray(weights)
-        if weights.shape != ids.shape:
-            raise ValueError(
-                "embedding_bag: `weights` must have the shape of `ids` "
-                f"{tuple(ids.shape)}, got {tuple(weights.shape)}."
-            )
+    weights = weights_like(weights, ids.shape, "ids", where)
     info = np.iinfo(ids.dtype)
     if padding_id is not None and info.min <= padding_id <= info.max:
         present = ids != padding_id  # on the caller's own ids
     else:  # no padding, or a padding id that no id of this dtype can equal
         present = None
+    if segments is not None:  # unused slots of jagged ids are padding
+        used = jnp.asarray(segments[0] < segments[1])
+        present = used if present is None else jnp.asarray(present) & used
     if check_ids:
         ids = _ids.check(
             ids,
             num_rows,
-            "embedding_bag(check_ids=True)",
+            f"{where}(check_ids=True)",
             counted=present,
             like=(table,),
         )
@@ -227,16 +328,35 @@ def embedding_bag(
         # Padding reads zeros and gets no gradient: send it out of range.
         present = jnp.asarray(present)
         safe = jnp.where(present, safe, num_rows)
-    rows = _lookup_rows(table, safe, dtype, handler)
+    rows = _finish(
+        _lookup_rows(table, safe, handler, strict), table, max_norm, norm_type, dtype
+    )
     compute = rows.dtype
     w = present.astype(compute)
     if weights is not None:
         w = w * weights.astype(compute)
+    if segments is None:
+        reduce = functools.partial(jnp.sum, axis=ids.ndim - 1)
+    else:
+        reduce = functools.partial(_segment_sum, segments=segments)
+    return _combine(rows, w, reduce, combiner)
+
+
+def _segment_sum(x: jax.Array, segments: tuple[jax.Array, int]) -> jax.Array:
+    """Sum ``x``'s slots per bag (unused slots, segment ``num_bags``, dropped)."""
+    seg, num_bags = segments
+    out = jnp.zeros((num_bags, *x.shape[1:]), x.dtype)
+    return out.at[seg].add(x, mode="drop", indices_are_sorted=True)
+
+
+def _combine(rows: jax.Array, w: jax.Array, reduce: Any, combiner: str) -> jax.Array:
+    """``reduce`` (over the bag's slots) of ``w·rows``, scaled by the combiner."""
+    compute = rows.dtype
     w_rows = w.reshape(w.shape + (1,) * (rows.ndim - w.ndim))
-    total = jnp.sum(rows * w_rows, axis=ids.ndim - 1)
+    total = reduce(rows * w_rows)
     if combiner == "sum":
         return total
-    denom = jnp.sum(w, axis=-1) if combiner == "mean" else jnp.sqrt(jnp.sum(w * w, -1))
+    denom = reduce(w) if combiner == "mean" else jnp.sqrt(reduce(w * w))
     safe = jnp.where(denom == 0, jnp.ones((), compute), denom)
     scale = jnp.where(denom == 0, jnp.zeros((), compute), 1 / safe)
     return total * scale.reshape(scale.shape + (1,) * (total.ndim - scale.ndim))

@@ -36,12 +36,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import _leaves, autodiff, updates
-from ._ids import integer_ids, wrap_negative
-from .embedding import embedding_lookup
+from . import _frameworks, _leaves, autodiff, updates
 from .slices import IndexedSlices
 
-__all__ = ["Embedding", "filter_value_and_grad", "filter_grad", "apply_updates"]
+__all__ = [
+    "Embedding",
+    "EmbeddingBag",
+    "filter_value_and_grad",
+    "filter_grad",
+    "apply_updates",
+]
 
 
 class Embedding(eqx.nn.Embedding):
@@ -54,6 +58,17 @@ class Embedding(eqx.nn.Embedding):
     Under :func:`filter_value_and_grad` (or :func:`jaxslices.value_and_grad`)
     ``weight`` then gets an :class:`~jaxslices.IndexedSlices` gradient; under
     ``eqx.filter_grad``, the stock dense one.
+
+    PyTorch's options (``torch.nn.Embedding``), keyword-only, off by default:
+    ``padding_idx`` (that row, negative counted from the end, is zeroed when
+    the weight is initialised from ``key`` (a given ``weight`` is kept as it
+    is, as PyTorch's ``from_pretrained``), read as it is and never gets a
+    gradient) and ``max_norm`` / ``norm_type`` (rows read whose norm exceeds
+    ``max_norm`` are returned renormalised; PyTorch's in-place rescaling of
+    the table is :meth:`apply_max_norm`, a row-sparse scatter into ``weight``).
+    ``strict=True``: raise :class:`jaxslices.DenseGradientError` at trace time
+    if the table would get a dense gradient (``eqx.filter_grad`` instead of
+    :func:`filter_grad`, a cast of the model before the call, ...).
 
     Ids: negative ids count from the end, as in the stock layer; an id
     ``>= num_embeddings`` or ``< -num_embeddings`` reads zeros and gets no
@@ -69,6 +84,35 @@ class Embedding(eqx.nn.Embedding):
       IndexedSlices(float32[100, 4], rows=3)
     """
 
+    padding_idx: int | None = eqx.field(static=True)
+    max_norm: float | None = eqx.field(static=True)
+    norm_type: float = eqx.field(static=True)
+    strict: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_embeddings: int | None = None,
+        embedding_size: int | None = None,
+        weight: Any = None,
+        dtype: Any = None,
+        *,
+        key: Any = None,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        strict: bool = False,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_size, weight, dtype, key=key)
+        pad = _frameworks.check_options(
+            _EMBED, self.num_embeddings, padding_idx, max_norm, norm_type
+        )
+        if weight is None:  # initialised here: the padding row starts at zero
+            self.weight = _frameworks.zero_padding_row(self.weight, pad)
+        self.padding_idx = pad
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.strict = strict
+
     def __call__(self, x: Any, *, key: Any = None) -> jax.Array:
         """Row ``x`` of the table (``x`` a scalar integer); ``key`` is ignored."""
         if not (eqx.is_array_like(x) and jnp.shape(x) == ()):
@@ -77,12 +121,127 @@ class Embedding(eqx.nn.Embedding):
                 f"index `x`, got shape {jnp.shape(x)}. Use `jax.vmap` to look up "
                 "several ids, e.g. `jax.vmap(embedding)(ids)`: it stays sparse."
             )
-        x = integer_ids(x, "jaxslices.equinox.Embedding")
-        return embedding_lookup(self.weight, wrap_negative(x, self.num_embeddings))
+        return _frameworks.lookup(self, self.weight, x, _EMBED)
+
+    def apply_max_norm(self, ids: Any) -> Embedding:
+        """This layer with the rows ``ids`` read renormalised in ``weight``.
+
+        PyTorch's in-place ``max_norm`` step (:func:`jaxslices.apply_max_norm`),
+        for ids of any shape: a row-sparse scatter. Apply it in the training
+        step before the optimizer's update, e.g. ``model = eqx.tree_at(lambda
+        m: m.emb, model, model.emb.apply_max_norm(ids))``.
+        """
+        return _with_weight(self, _EMBED, ids, None)
+
+
+def _with_weight(layer: Any, where: str, ids: Any, offsets: Any) -> Any:
+    weight = _frameworks.renormed(layer, layer.weight, ids, offsets, where)
+    return eqx.tree_at(lambda m: m.weight, layer, weight)
+
+
+_EMBED = "jaxslices.equinox.Embedding"
+_BAG = "jaxslices.equinox.EmbeddingBag"
+
+
+class EmbeddingBag(eqx.Module):
+    """``torch.nn.EmbeddingBag`` for Equinox, with a sparse gradient.
+
+    A ``weight`` of shape ``(num_embeddings, embedding_size)`` (standard
+    normal from ``key``, as ``eqx.nn.Embedding``; or given); bags of ids are
+    looked up and combined (``combiner``: ``"mean"``, ``"sum"`` or
+    ``"sqrtn"``) through :func:`jaxslices.embedding_bag`, so under
+    :func:`filter_value_and_grad` ``weight`` gets an
+    :class:`~jaxslices.IndexedSlices` gradient.
+
+    Call it on one bag (``[L]`` ids, giving ``[embedding_size]``: ``jax.vmap``
+    it over a batch, it stays sparse), on a padded ``[..., L]`` batch, on a
+    :class:`~jaxslices.JaggedIds`, or with PyTorch's flat ``[N]`` ids and
+    ``offsets`` (``[B]`` starts, ``[B + 1]`` with
+    ``include_last_offset=True``); ``per_sample_weights`` shaped like the ids.
+    Ids outside ``[0, num_embeddings)`` (e.g. ``-1`` padding) contribute
+    nothing; ``padding_idx`` (PyTorch's meaning) is zeroed at initialisation,
+    excluded from every bag and never gets a gradient; ``max_norm`` and
+    ``strict`` as in :class:`Embedding`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxslices.equinox as jse
+      >>> bag = jse.EmbeddingBag(100, 4, combiner="sum", key=jax.random.key(0))
+      >>> bag(jnp.array([3, 7, -1])).shape
+      (4,)
+      >>> loss = lambda m, ids: jnp.sum(jax.vmap(m)(ids) ** 2)
+      >>> jse.filter_grad(loss)(bag, jnp.array([[3, 7], [1, 1]])).weight
+      IndexedSlices(float32[100, 4], rows=4)
+    """
+
+    weight: jax.Array
+    num_embeddings: int = eqx.field(static=True)
+    embedding_size: int = eqx.field(static=True)
+    combiner: str = eqx.field(static=True)
+    padding_idx: int | None = eqx.field(static=True)
+    max_norm: float | None = eqx.field(static=True)
+    norm_type: float = eqx.field(static=True)
+    include_last_offset: bool = eqx.field(static=True)
+    strict: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_embeddings: int | None = None,
+        embedding_size: int | None = None,
+        weight: Any = None,
+        dtype: Any = None,
+        *,
+        combiner: str = "mean",
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        include_last_offset: bool = False,
+        strict: bool = False,
+        key: Any = None,
+    ) -> None:
+        table = eqx.nn.Embedding(num_embeddings, embedding_size, weight, dtype, key=key)
+        pad = _frameworks.check_options(
+            _BAG, table.num_embeddings, padding_idx, max_norm, norm_type, combiner
+        )
+        self.weight = (
+            table.weight
+            if weight is not None
+            else _frameworks.zero_padding_row(table.weight, pad)
+        )
+        self.num_embeddings = table.num_embeddings
+        self.embedding_size = table.embedding_size
+        self.combiner = combiner
+        self.padding_idx = pad
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.include_last_offset = include_last_offset
+        self.strict = strict
+
+    def __call__(
+        self,
+        ids: Any,
+        offsets: Any = None,
+        per_sample_weights: Any = None,
+        *,
+        key: Any = None,
+    ) -> jax.Array:
+        """One combined row per bag; ``key`` is ignored."""
+        weights = per_sample_weights
+        return _frameworks.bag(self, self.weight, ids, offsets, weights, _BAG)
+
+    def apply_max_norm(self, ids: Any, offsets: Any = None) -> EmbeddingBag:
+        """This layer with the rows the bags read renormalised in ``weight``."""
+        return _with_weight(self, _BAG, ids, offsets)
+
+
+_VG = "jaxslices.equinox.filter_value_and_grad"
+
+
+def _label(i: int, path: str) -> str:
+    return f"model{path}"
 
 
 def filter_value_and_grad(
-    fun: Callable[..., Any], *, has_aux: bool = False
+    fun: Callable[..., Any], *, has_aux: bool = False, strict: bool = False
 ) -> Callable[..., Any]:
     """``eqx.filter_value_and_grad`` with sparse gradients for embedding tables.
 
@@ -92,12 +251,15 @@ def filter_value_and_grad(
     gets an :class:`~jaxslices.IndexedSlices` gradient, every other leaf
     exactly what ``eqx.filter_value_and_grad`` gives. The loss is traced three
     times (see :func:`jaxslices.value_and_grad`). Apply the updates with
-    :func:`apply_updates`.
+    :func:`apply_updates`. ``strict=True``: a table that would get a dense
+    gradient (a stock ``eqx.nn.Embedding``, ``weight[ids]``, a cast) raises
+    :class:`jaxslices.DenseGradientError` at trace time.
 
     Args:
       fun: ``fun(model, *args, **kwargs)``, returning a scalar, or
         ``(scalar, aux)`` with ``has_aux``.
       has_aux: as in ``eqx.filter_value_and_grad``.
+      strict: raise instead of giving a table a dense gradient.
 
     Returns:
       A function returning ``(value, grads)`` or ``((value, aux), grads)``.
@@ -118,14 +280,15 @@ def filter_value_and_grad(
         def call(diff: Any, static: Any, *args: Any, **kwargs: Any) -> Any:
             return fun(eqx.combine(diff, static), *args, **kwargs)
 
-        return autodiff.value_and_grad(call, has_aux=has_aux)(
-            diff, static, *args, **kwargs
-        )
+        vg = autodiff.differentiate(call, 0, has_aux, strict, _VG, _label)
+        return vg(diff, static, *args, **kwargs)
 
     return wrapper
 
 
-def filter_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable:
+def filter_grad(
+    fun: Callable[..., Any], *, has_aux: bool = False, strict: bool = False
+) -> Callable:
     """``eqx.filter_grad`` with sparse gradients; see :func:`filter_value_and_grad`.
 
     Example:
@@ -134,7 +297,7 @@ def filter_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable:
       >>> jse.filter_grad(lambda m: m(jnp.array(4)).sum())(emb).weight.indices
       Array([4], dtype=int32)
     """
-    vg = filter_value_and_grad(fun, has_aux=has_aux)
+    vg = filter_value_and_grad(fun, has_aux=has_aux, strict=strict)
     return autodiff.grad_from_value_and_grad(vg, fun, has_aux)
 
 

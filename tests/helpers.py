@@ -53,3 +53,45 @@ def dense_reference(s: IndexedSlices) -> np.ndarray:
         if 0 <= i < s.dense_shape[0]:
             out[i] += v
     return out
+
+
+def bag_reference(table, bags, weights, combiner, padding_id=None) -> np.ndarray:
+    """NumPy float64: one combined row per bag, straight from the definition.
+
+    ``bags``: lists of ids (out-of-range ids and ``padding_id`` are left out);
+    ``weights``: lists of per-id weights like ``bags``. Empty bags give zeros.
+    """
+    t = np.asarray(table, np.float64)
+    out = np.zeros((len(bags), *t.shape[1:]))
+    for b, (ids, ws) in enumerate(zip(bags, weights, strict=True)):
+        keep = [
+            (i, w)
+            for i, w in zip(ids, ws, strict=True)
+            if i != padding_id and 0 <= i < len(t)
+        ]
+        if not keep:
+            continue
+        s = sum(w * t[i] for i, w in keep)
+        den = {
+            "sum": 1.0,
+            "mean": sum(w for _, w in keep),
+            "sqrtn": np.sqrt(sum(w * w for _, w in keep)),
+        }[combiner]
+        out[b] = s / den if den else 0
+    return out
+
+
+def dense_bag(table, ids, weights, combiner, padding_id=None):
+    """A padded ``[B, L]`` bag written with plain ``table[ids]``: ``jax.grad`` of
+    it is JAX's own dense gradient, the reference for sparse ones."""
+    num_rows = table.shape[0]
+    mask = (ids >= 0) & (ids < num_rows)
+    if padding_id is not None:
+        mask = mask & (ids != padding_id)
+    rows = table[jnp.clip(ids, 0, num_rows - 1)]
+    w = jnp.where(mask, weights, 0.0)
+    total = jnp.sum(rows * w[..., None], axis=-2)
+    if combiner == "sum":
+        return total
+    den = jnp.sum(w, -1) if combiner == "mean" else jnp.sqrt(jnp.sum(w * w, -1))
+    return total / jnp.where(den == 0, 1.0, den)[..., None]

@@ -29,7 +29,7 @@ with a margin).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from .. import _errors, _leaves, slices
+from .. import _errors, _leaves, _typed_indices, slices
 from ..slices import IndexedSlices, _replace_values
 
 __all__ = ["MultiSteps", "MultiStepsState"]
@@ -174,6 +174,11 @@ class MultiSteps:
         cap = self._capacity
         if callable(cap):
             cap = cap(params)
+        other_mapping = isinstance(params, Mapping) and type(params) is not dict
+        if type(cap) is dict and other_mapping:
+            # A dict for params of another mapping type (Flax NNX's nnx.State,
+            # which nnx.Optimizer passes): the same keys, in that type.
+            cap = type(params)(cap)
 
         def check(c):
             if c is None:
@@ -305,6 +310,7 @@ class MultiSteps:
         an inner step (:func:`_advance`), and keep the old state on a skipped
         micro-step.
         """
+        state = state._replace(acc_grads=_slices_back(state.acc_grads, updates))
         should_skip, skip_state = self._should_skip(updates, state, params)
         _leaves.check_structure(
             _NAME, updates, "updates", state.acc_fill, "the params given to init"
@@ -428,6 +434,41 @@ class MultiSteps:
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
         """This wrapper as an :class:`optax.GradientTransformationExtraArgs`."""
         return optax.GradientTransformationExtraArgs(self.init, self.update)
+
+
+def _is_unpacked_slices(x: Any) -> bool:
+    """A mapping of an ``IndexedSlices``' children (``values``, typed ``indices``)."""
+    return (
+        isinstance(x, Mapping)
+        and set(x.keys()) == {"values", "indices"}
+        and _typed_indices.is_typed(x["indices"])
+    )
+
+
+def _slices_back(acc_grads: Any, updates: Any) -> Any:
+    """Accumulation buffers as ``IndexedSlices`` again, where a framework unpacked them.
+
+    Flax NNX's ``nnx.Optimizer`` writes the new optimizer state back with
+    ``nnx.update(opt_state, nnx.state(new_state))``, and ``nnx.state`` turns
+    every pytree node, an ``IndexedSlices`` included, into an ``nnx.State`` of
+    its children: from the second update on the buffer arrives as a mapping
+    ``{"values", "indices"}``. Its typed indices (an extended dtype no other
+    array has) identify it; the dense shape is the gradient's.
+    """
+    is_acc_leaf = lambda x: _is_leaf(x) or _is_unpacked_slices(x)  # noqa: E731
+    accs, treedef = jax.tree.flatten(acc_grads, is_leaf=is_acc_leaf)
+    if not any(_is_unpacked_slices(a) for a in accs):
+        return acc_grads
+    grads = jax.tree.leaves(updates, is_leaf=_is_leaf)
+    if len(grads) != len(accs):
+        return acc_grads  # check_structure explains the mismatch
+
+    def back(a, g):
+        if _is_unpacked_slices(a) and isinstance(g, IndexedSlices):
+            return IndexedSlices(a["values"], a["indices"], g.dense_shape)
+        return a
+
+    return treedef.unflatten([back(a, g) for a, g in zip(accs, grads, strict=True)])
 
 
 class _Pair:

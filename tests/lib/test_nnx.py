@@ -339,6 +339,39 @@ def test_lazy_adam_moves_only_the_touched_rows():
     assert np.all(np.abs(after[touched] - before[touched]).max(axis=1) > 0)
 
 
+def test_multisteps_in_nnx_optimizer_equals_optax_multisteps():
+    """jaxslices.MultiSteps inside nnx.Optimizer, past its second update.
+
+    nnx.Optimizer writes the state back with nnx.update, which unpacks the
+    IndexedSlices buffer into an nnx.State: MultiSteps reads it back (it
+    raised "capacity gives this leaf no buffer" on the second update). The
+    capacity is a plain dict although the params are an nnx.State.
+    """
+    mine, stock = _pair()
+    capacity = {"user": {"embedding": 12}, "item": {"embedding": 36}, "head": None}
+    tx = js.MultiSteps(js.sgd(0.3), every_k_schedule=2, capacity=capacity)
+    opt_mine = nnx.Optimizer(mine, tx, wrt=nnx.Param)
+    opt_stock = nnx.Optimizer(stock, optax.MultiSteps(optax.sgd(0.3), 2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step_mine(model, opt, users, items, y):
+        opt.update(model, jnnx.grad(loss_fn)(model, users, items, y))
+
+    @nnx.jit
+    def step_stock(model, opt, users, items, y):
+        opt.update(model, nnx.grad(loss_fn)(model, users, items, y))
+
+    for k in range(5):
+        step_mine(mine, opt_mine, *_batch(k))
+        step_stock(stock, opt_stock, *_batch(k))
+    buffer = opt_mine.opt_state.acc_grads["item"]["embedding"].get_value()
+    assert js.is_indexed_slices(buffer) or "indices" in buffer  # packed or not
+    _assert_state_close(
+        nnx.state(mine, nnx.Param), nnx.state(stock, nnx.Param), rtol=1e-5, atol=1e-6
+    )
+    assert int(opt_mine.opt_state.gradient_step.get_value()) == 2
+
+
 # ------------------------------------------------------------------ packaging
 
 
