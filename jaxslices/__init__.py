@@ -21,12 +21,16 @@ jaxslices`` imports neither Flax nor Equinox):
 from importlib.metadata import PackageNotFoundError, version
 
 from . import _checkpoint
+from . import per_table as per_table
 from . import sharding as sharding
 from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
+from .collection import EmbeddingCollection as EmbeddingCollection
+from .collection import TableConfig as TableConfig
 from .embedding import check_ids as check_ids
 from .embedding import embedding_bag as embedding_bag
 from .embedding import embedding_lookup as embedding_lookup
+from .keyed import KeyedJaggedIds as KeyedJaggedIds
 from .sharding import shard_rows as shard_rows
 from .sharding import sharded_init as sharded_init
 from .sharding import sharded_lookup as sharded_lookup
@@ -151,4 +155,8 @@ __all__ = [
     "sharded_init",
     "sharded_lookup",
     "sharded_update",
+    "EmbeddingCollection",
+    "KeyedJaggedIds",
+    "TableConfig",
+    "per_table",
 ]
