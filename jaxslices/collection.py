@@ -43,7 +43,6 @@ every slot of the input (slots of other buffers' features are padding).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -53,8 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _errors, _ids
-from .embedding import embedding_lookup
+from . import _pooling
 from .keyed import KeyedJaggedIds
 
 __all__ = ["TableConfig", "EmbeddingCollection", "Buffer"]
@@ -367,16 +365,24 @@ class EmbeddingCollection:
     def __call__(
         self,
         params: Mapping[str, Any],
-        features: KeyedJaggedIds,
+        features: KeyedJaggedIds | Mapping[str, Any],
         *,
+        padding_id: int | None = None,
+        weights: Mapping[str, Any] | None = None,
         check_ids: bool = False,
     ) -> dict[str, jax.Array]:
         """Pooled (or sequence) embeddings of every feature of the collection.
 
         Args:
           params: ``{buffer name: buffer}`` (:meth:`init`).
-          features: :class:`~jaxslices.KeyedJaggedIds` holding at least every
-            feature of the collection (other keys are ignored).
+          features: a :class:`~jaxslices.KeyedJaggedIds` holding at least every
+            feature of the collection (other keys are ignored), or padded ids
+            ``{feature: [B, L] ids}`` (the fast path for fixed-length
+            features: no scatter; ``L`` may differ between features).
+          padding_id: padded input only: the id of an empty slot (it counts
+            in no bag); ``None``: every slot is an id.
+          weights: padded input only: ``{feature: [B, L]}`` per-id weights
+            (a ``KeyedJaggedIds`` carries its own).
           check_ids: raise an error (also under ``jit``) if an id is outside
             ``[0, rows)`` of its feature's table.
 
@@ -384,49 +390,73 @@ class EmbeddingCollection:
           ``{feature: [B, dim]}`` for pooled tables, ``{feature: [B, L, dim]}``
           for sequence tables, in the collection's feature order.
         """
-        where = "EmbeddingCollection"
-        self._check_params(params, where)
-        if not isinstance(features, KeyedJaggedIds):
-            raise TypeError(
-                f"{where}: `features` must be a jaxslices.KeyedJaggedIds, got "
-                f"{type(features).__name__}. Build one with "
-                "KeyedJaggedIds.from_lengths / from_lists / from_padded."
-            )
-        missing = [f for f in self.features if f not in features.keys]
-        if missing:
-            raise ValueError(
-                f"{where}: the input lacks features {missing} (it has "
-                f"{list(features.keys)})."
-            )
-        values = jnp.asarray(features.values)
-        if not jnp.issubdtype(values.dtype, jnp.integer):
-            raise TypeError(
-                f"{where}: ids must be integers, got {values.dtype}. Cast them, "
-                "e.g. `values.astype(jnp.int32)`."
-            )
-        layout = _Layout.of(self, features.keys)
-        seg = _bag_of_slot(features.offsets, features.max_total)
-        kid = seg // features.batch_size  # == F for unused slots
-        valid = _valid(values, layout.rows, kid)
-        if check_ids:
-            values = _check(values, valid, layout, kid, features, where)
-        weights = features.weights
-        out: dict[str, jax.Array] = {}
-        for b in self.buffers:
-            out.update(
-                _lookup_buffer(
-                    params[b.name],
-                    b,
-                    layout,
-                    features,
-                    values,
-                    valid,
-                    seg,
-                    kid,
-                    weights,
-                )
-            )
+        self._check_params(params, "EmbeddingCollection")
+        pooled, seqs = _pooling.lookup(
+            self,
+            params,
+            features,
+            padding_id=padding_id,
+            weights=weights,
+            check_ids=check_ids,
+            batch_major=False,
+        )
+        out = dict(seqs)
+        for names, x in pooled.values():
+            # one split, not a slice per feature: the transpose of a split is
+            # one concatenate, that of F slices F padded copies summed
+            parts = jax.lax.split(x, (1,) * len(names))
+            out.update({n: p[0] for n, p in zip(names, parts, strict=True)})
         return {f: out[f] for f in self.features}
+
+    def concat(
+        self,
+        params: Mapping[str, Any],
+        features: KeyedJaggedIds | Mapping[str, Any],
+        *,
+        padding_id: int | None = None,
+        weights: Mapping[str, Any] | None = None,
+        check_ids: bool = False,
+    ) -> jax.Array:
+        """The pooled embeddings side by side: ``[B, sum of the features' dims]``.
+
+        TorchRec's ``KeyedTensor.values()``: feature ``i`` (in the
+        collection's order) in columns ``sum(dims[:i]) : sum(dims[:i + 1])``.
+        With one buffer it is the pooling's own result (batch-major), no copy:
+        ``concat(...).reshape(B, F, dim)`` is what a DLRM interacts. Arguments
+        as for :meth:`__call__`; every table must pool (no sequence tables).
+
+        Example:
+          >>> import jax, jax.numpy as jnp, jaxslices as js
+          >>> coll = js.EmbeddingCollection(
+          ...     [js.TableConfig("a", 4, 2), js.TableConfig("b", 3, 2)])
+          >>> params = {"dim2_float32": jnp.arange(14.0).reshape(7, 2)}
+          >>> coll.concat(params, {"a": jnp.array([[1]]), "b": jnp.array([[0]])})
+          Array([[2., 3., 8., 9.]], dtype=float32)
+        """
+        seq = [t.name for t in self.tables if t.combiner is None]
+        if seq:
+            raise ValueError(
+                f"EmbeddingCollection.concat: sequence tables {seq} do not pool; "
+                "use the collection's call, which returns them as [B, L, dim]."
+            )
+        self._check_params(params, "EmbeddingCollection.concat")
+        pooled, _ = _pooling.lookup(
+            self,
+            params,
+            features,
+            padding_id=padding_id,
+            weights=weights,
+            check_ids=check_ids,
+            batch_major=True,
+        )
+        if len(pooled) == 1:
+            ((_, x),) = pooled.values()
+            return x.reshape(x.shape[0], -1)
+        cols = {}
+        for names, x in pooled.values():
+            parts = jax.lax.split(x, (1,) * len(names), axis=1)
+            cols.update({n: p[:, 0] for n, p in zip(names, parts, strict=True)})
+        return jnp.concatenate([cols[f] for f in self.features], axis=1)
 
     # -- per-table hyperparameters -------------------------------------------
     def scale_by_table(self, factors: Mapping[str, Any], *, default: Any = 1.0):
@@ -449,197 +479,3 @@ class EmbeddingCollection:
 
 def _seed_of(name: str) -> int:
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """Per input key (and one sentinel for unused slots): static facts.
-
-    Arrays have ``F + 1`` entries (``F`` = the input's keys): the last is for
-    slots past ``offsets[-1]``.
-    """
-
-    keys: tuple[str, ...]
-    rows: np.ndarray  # table rows (0: not a feature of the collection)
-    buffer: tuple[str | None, ...]
-    start: np.ndarray  # first row of the key's table in its buffer
-    combiner: tuple[Any, ...]
-    seq_len: np.ndarray  # sequence tables: L, else 0
-
-    @staticmethod
-    @functools.lru_cache(maxsize=256)
-    def of(coll: EmbeddingCollection, keys: tuple[str, ...]) -> _Layout:
-        rows, buf, start, comb, seq = [], [], [], [], []
-        for k in keys:
-            if k in coll._table_of_feature:
-                t = coll._by_name[coll._table_of_feature[k]]
-                rows.append(t.rows)
-                buf.append(coll._buffer_of[t.name].name)
-                start.append(coll._start[t.name])
-                comb.append(t.combiner)
-                seq.append(t.max_sequence_length or 0)
-            else:
-                rows.append(0)
-                buf.append(None)
-                start.append(0)
-                comb.append("sum")
-                seq.append(0)
-        return _Layout(
-            keys,
-            np.array(rows + [0], np.int64),
-            tuple(buf) + (None,),
-            np.array(start + [0], np.int64),
-            tuple(comb) + ("sum",),
-            np.array(seq + [0], np.int64),
-        )
-
-
-def _bag_of_slot(offsets: Any, max_total: int) -> jax.Array:
-    """The bag of each slot ``[max_total]``; ``num_bags`` for unused slots.
-
-    ``#{b : offsets[b + 1] <= slot}``: ends are counted into a histogram
-    (scatter-add) whose running sum is the bag index; ``O(max_total + bags)``.
-    """
-    offsets = jnp.asarray(offsets).astype(jnp.int32)
-    marks = jnp.zeros(max_total + 1, jnp.int32).at[offsets[1:]].add(1, mode="drop")
-    return jnp.cumsum(marks[:max_total]).astype(jnp.int32)
-
-
-def _valid(values: jax.Array, rows: np.ndarray, kid: jax.Array) -> jax.Array:
-    """``0 <= id < rows of its key's table``, in the ids' own dtype."""
-    info = np.iinfo(values.dtype)
-    big = rows > info.max  # every non-negative id of this dtype is valid
-    lim = jnp.asarray(np.where(big, info.max, rows).astype(values.dtype))[kid]
-    ok = values < lim
-    if big.any():
-        ok = ok | jnp.asarray(big)[kid]
-    if info.min < 0:
-        ok = ok & (values >= 0)
-    return ok & jnp.asarray(rows > 0)[kid]
-
-
-def _bad_ids_error(n, key, lo, hi, *, keys, rows, where):
-    k = keys[key]
-    return ValueError(
-        f"{where}(check_ids=True): {n} {'id is' if n == 1 else 'ids are'} out of "
-        f"range of its table (the first in feature {k!r}, whose table has "
-        f"{int(rows[key])} rows; the out-of-range ids have min {lo} and max {hi}). "
-        "Out-of-range ids would read zeros and get no gradient; fix the ids, or "
-        "pass check_ids=False to treat them as padding."
-    )
-
-
-def _check(values, valid, layout, kid, features, where):
-    member = jnp.asarray(layout.rows > 0)[kid]
-    bad = member & ~valid
-    F = len(layout.keys)
-    info = jnp.iinfo(values.dtype)
-    return _errors.raise_if(
-        bad,
-        values,
-        functools.partial(
-            _bad_ids_error, keys=layout.keys, rows=layout.rows, where=where
-        ),
-        jnp.sum(bad.astype(jnp.int32)),
-        jnp.min(jnp.where(bad, kid, F)),
-        jnp.min(jnp.where(bad, values, jnp.array(info.max, values.dtype))),
-        jnp.max(jnp.where(bad, values, jnp.array(info.min, values.dtype))),
-        reduce=("sum", "min", "min", "max"),
-    )
-
-
-def _seq_overflow_error(n, key, *, keys, seq_len, where):
-    return ValueError(
-        f"{where}: {n} {'bag is' if n == 1 else 'bags are'} longer than "
-        f"max_sequence_length (the first in feature {keys[key]!r}, L = "
-        f"{int(seq_len[key])}). Raise the table's max_sequence_length or cut "
-        "the bags."
-    )
-
-
-def _lookup_buffer(table, b, layout, features, values, valid, seg, kid, weights):
-    """``{feature: output}`` for the features of buffer ``b``: one lookup."""
-    member = np.array([bn == b.name for bn in layout.buffer])
-    feats = [k for k, m in zip(layout.keys, member[:-1], strict=True) if m]
-    if not feats:
-        return {}
-    F, B = len(layout.keys), features.batch_size
-    idx = _ids.index_dtype(b.rows)
-    ok = valid & jnp.asarray(member)[kid]
-    start = jnp.asarray(layout.start.astype(np.dtype(idx)))[kid]
-    gids = jnp.where(ok, values.astype(idx) + start, jnp.asarray(b.rows, idx))
-    rows = embedding_lookup(table, gids)  # the one gather (and sparse gradient)
-    out = {}
-    pooled = [k for k in feats if layout.combiner[layout.keys.index(k)] is not None]
-    seq = [k for k in feats if layout.combiner[layout.keys.index(k)] is None]
-    w = None if weights is None else jnp.asarray(weights).astype(rows.dtype)
-    if pooled:
-        contrib = rows if w is None else rows * w[:, None]
-        sums = jax.ops.segment_sum(
-            contrib, seg, num_segments=F * B + 1, indices_are_sorted=True
-        )[: F * B]
-        combs = {layout.combiner[layout.keys.index(k)] for k in pooled}
-        if combs != {"sum"}:
-            sums = sums * _bag_scale(layout, features, w, seg, F * B, rows.dtype)
-        sums = sums.reshape(F, B, b.dim)
-        for k in pooled:
-            out[k] = sums[layout.keys.index(k)]
-    if seq:
-        out.update(_sequences(rows, b, layout, features, seq, seg, kid))
-    return out
-
-
-def _bag_scale(layout, features, w, seg, n_bags, dtype):
-    """``[F * B, 1]``: 1 for sum, ``1 / sum(w)`` for mean, ``1 / sqrt(sum w^2)``."""
-    B = features.batch_size
-    if w is None:
-        n = features.lengths.astype(dtype)
-        mean_d, sqrtn_d = n, jnp.sqrt(n)
-    else:
-        mean_d = jax.ops.segment_sum(w, seg, n_bags + 1, indices_are_sorted=True)
-        sq = jax.ops.segment_sum(w * w, seg, n_bags + 1, indices_are_sorted=True)
-        mean_d, sqrtn_d = mean_d[:n_bags], jnp.sqrt(sq[:n_bags])
-    code = np.array(
-        [{"mean": 1, "sqrtn": 2}.get(c, 0) for c in layout.combiner[:-1]], np.int32
-    )
-    code = jnp.asarray(np.repeat(code, B))
-    denom = jnp.where(code == 1, mean_d, jnp.where(code == 2, sqrtn_d, 1))
-    denom = denom.astype(dtype)
-    safe = jnp.where(denom == 0, jnp.ones((), dtype), denom)
-    scale = jnp.where(denom == 0, jnp.zeros((), dtype), 1 / safe)
-    return scale[:, None]
-
-
-def _sequences(rows, b, layout, features, seq, seg, kid):
-    """``{feature: [B, L, dim]}`` of the sequence features (zeros past a bag)."""
-    F, B, N = len(layout.keys), features.batch_size, features.max_total
-    L = int(max(layout.seq_len[layout.keys.index(k)] for k in seq))
-    is_seq = np.array([k in seq for k in layout.keys] + [False])
-    offsets = jnp.asarray(features.offsets).astype(jnp.int32)
-    slot = jnp.arange(N, dtype=jnp.int32)
-    pos = slot - offsets[jnp.minimum(seg, F * B)]
-    lim = jnp.asarray(layout.seq_len.astype(np.int32))[kid]
-    mine = jnp.asarray(is_seq)[kid]
-    over = mine & (pos >= lim)
-    total = offsets[-1]
-    over = over & (slot < total)
-    pos = _errors.raise_if(
-        over,
-        pos,
-        functools.partial(
-            _seq_overflow_error,
-            keys=layout.keys,
-            seq_len=layout.seq_len,
-            where="EmbeddingCollection",
-        ),
-        jnp.sum(over.astype(jnp.int32)),
-        jnp.min(jnp.where(over, kid, F)),
-        reduce=("sum", "min"),
-    )
-    target = jnp.where(mine & (pos < lim), seg * L + pos, F * B * L)
-    out = jnp.zeros((F * B * L, b.dim), rows.dtype).at[target].add(rows, mode="drop")
-    out = out.reshape(F, B, L, b.dim)
-    return {
-        k: out[layout.keys.index(k), :, : layout.seq_len[layout.keys.index(k)]]
-        for k in seq
-    }

@@ -60,6 +60,7 @@ def _weights_for(rng, lists):
 
 
 L_MAX, B, CAP = 3, 4, 64  # bag length bound, batch, max_total: fixed shapes
+PAD = -100  # the padding id of padded inputs (bad ids are -1, rows, rows + 1)
 
 
 def _padded(coll, lists, weights=None):
@@ -143,12 +144,16 @@ def _jitted(dtype=jnp.float32, weighted=False):
     def ref_loss(t, padded, cots):
         return _loss_of(_reference(t, coll, padded, weighted), cots)
 
+    def padded_loss(p, ids, w, cots):
+        return _loss_of(coll(p, ids, padding_id=PAD, weights=w), cots)
+
     return (
         coll,
         jax.jit(coll),
         jax.jit(js.value_and_grad(coll_loss)),
         jax.jit(lambda t, p: _reference(t, coll, p, weighted)),
         jax.jit(jax.value_and_grad(ref_loss)),
+        jax.jit(js.value_and_grad(padded_loss)),
     )
 
 
@@ -156,7 +161,7 @@ def _jitted(dtype=jnp.float32, weighted=False):
 @given(seed=st.integers(0, 2**31 - 1), weighted=st.booleans())
 def test_equals_separate_lookups_and_dense_grad(seed, weighted):
     rng = np.random.default_rng(seed)
-    coll, fwd, vg, ref_fwd, ref_vg = _jitted(weighted=weighted)
+    coll, fwd, vg, ref_fwd, ref_vg, padded_vg = _jitted(weighted=weighted)
     params = coll.init(jax.random.key(seed % 1000))
     lists = _random_lists(rng, coll, B)
     weights = _weights_for(rng, lists) if weighted else None
@@ -177,11 +182,38 @@ def test_equals_separate_lookups_and_dense_grad(seed, weighted):
     got = _dense_grads(coll, grads)
     for name in tables:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
+    # the same ids padded ({feature: [B, L]}, no segment sum): same numbers
+    ids = {f: np.where(p[1], p[0], PAD) for f, p in padded.items()}
+    w = {f: p[2] for f, p in padded.items()} if weighted else None
+    value2, grads2 = padded_vg(params, ids, w, cots)
+    np.testing.assert_allclose(value2, value, rtol=1e-5, atol=1e-5)
+    got2 = _dense_grads(coll, grads2)
+    for name in tables:
+        np.testing.assert_allclose(got2[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_concat_is_the_pooled_features_side_by_side():
+    """Batch-major pooling, jagged and padded, one buffer and several."""
+    rng = np.random.default_rng(3)
+    for tables in (_tables()[:2], _tables()):  # one dim; two dims
+        coll = js.EmbeddingCollection(tables)
+        params = coll.init(jax.random.key(3))
+        lists = _random_lists(rng, coll, 3)
+        kjt = js.KeyedJaggedIds.from_lists(lists)
+        want = jnp.concatenate(list(coll(params, kjt).values()), axis=1)
+        np.testing.assert_allclose(coll.concat(params, kjt), want, rtol=1e-6)
+        padded = _padded(coll, lists)
+        ids = {f: np.where(p[1], p[0], PAD) for f, p in padded.items()}
+        got = coll.concat(params, ids, padding_id=PAD)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    seq = js.EmbeddingCollection(_tables(seq=True))
+    with pytest.raises(ValueError, match=r"sequence tables \['s'\] do not pool"):
+        seq.concat(seq.init(jax.random.key(0)), kjt)
 
 
 def test_dense_jax_grad_through_the_collection_equals_the_sparse_one():
     rng = np.random.default_rng(1)
-    coll, fwd, vg, _, _ = _jitted()
+    coll, fwd, vg, *_ = _jitted()
     params = coll.init(jax.random.key(1))
     kjt = _kjt(_random_lists(rng, coll, B))
     cots = _cotangents(rng, fwd(params, kjt))
@@ -195,7 +227,7 @@ def test_dense_jax_grad_through_the_collection_equals_the_sparse_one():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_dtypes(dtype):
     rng = np.random.default_rng(2)
-    coll, fwd, vg, ref_fwd, ref_vg = _jitted(dtype)
+    coll, fwd, vg, ref_fwd, ref_vg, _ = _jitted(dtype)
     params = coll.init(jax.random.key(2))
     assert all(p.dtype == dtype for p in params.values())
     lists = _random_lists(rng, coll, B)
@@ -374,8 +406,12 @@ def test_bad_configs_and_inputs_raise_clear_errors():
             {"dim2_float32": jnp.zeros((4, 2))},
             js.KeyedJaggedIds.from_lists({"a": [[1]]}),
         )
-    with pytest.raises(TypeError, match="must be a jaxslices.KeyedJaggedIds"):
-        coll(params, {"a": jnp.array([[1]])})
+    with pytest.raises(TypeError, match="must be a jaxslices.KeyedJaggedIds or a dict"):
+        coll(params, [jnp.array([[1]])])
+    with pytest.raises(ValueError, match="are for padded inputs"):
+        coll(params, js.KeyedJaggedIds.from_lists({"a": [[1]]}), padding_id=-1)
+    with pytest.raises(ValueError, match=r"padded ids must be \[B, L\]"):
+        coll(params, {"a": jnp.array([1])})
 
 
 # ------------------------------------------------------------- layout helpers
@@ -435,7 +471,7 @@ def test_keyed_constructors_agree_and_from_padded_runs_under_jit():
 def _train(tx_coll, tx_sep, steps=2, seed=5):
     """Both ways, jitted: the collection vs separate tables with sparse lookups."""
     rng = np.random.default_rng(seed)
-    coll, fwd, _, _, _ = _jitted()
+    coll, fwd, *_ = _jitted()
     params = coll.init(jax.random.key(seed))
     tables = coll.unstack(params)
     lists = [_random_lists(rng, coll, B) for _ in range(steps)]
