@@ -30,6 +30,11 @@ from .collection import TableConfig as TableConfig
 from .embedding import check_ids as check_ids
 from .embedding import embedding_bag as embedding_bag
 from .embedding import embedding_lookup as embedding_lookup
+from .jagged import JaggedIds as JaggedIds
+from .jagged import check_jagged as check_jagged
+from .jagged import jagged_from_lengths as jagged_from_lengths
+from .jagged import jagged_from_lists as jagged_from_lists
+from .jagged import jagged_from_padded as jagged_from_padded
 from .keyed import KeyedJaggedIds as KeyedJaggedIds
 from .sharding import shard_rows as shard_rows
 from .sharding import sharded_init as sharded_init
@@ -101,12 +106,17 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "IndexedSlices",
+    "JaggedIds",
     "MultiSteps",
     "MultiStepsState",
     "check_ids",
+    "check_jagged",
     "embedding_bag",
     "embedding_lookup",
     "grad",
+    "jagged_from_lengths",
+    "jagged_from_lists",
+    "jagged_from_padded",
     "value_and_grad",
     "coalesce",
     "concatenate",

@@ -32,6 +32,7 @@ gradient.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import jax
@@ -40,6 +41,7 @@ import numpy as np
 
 from . import _ids, _lookup_handlers, _tape
 from ._ids import check_ids
+from .jagged import JaggedIds, check_jagged, segment_ids, weights_like
 
 __all__ = ["embedding_lookup", "embedding_bag", "check_ids"]
 
@@ -154,7 +156,7 @@ _COMBINERS = ("mean", "sum", "sqrtn")
 
 def embedding_bag(
     table: jax.Array,
-    ids: jax.Array,
+    ids: jax.Array | JaggedIds,
     *,
     weights: jax.Array | None = None,
     combiner: Literal["mean", "sum", "sqrtn"] = "mean",
@@ -162,61 +164,82 @@ def embedding_bag(
     dtype: Any = None,
     check_ids: bool = False,
 ) -> jax.Array:
-    """Look up and reduce bags of ids over the last axis of ``ids``.
+    """Look up and reduce bags of ids: padded ``[..., L]`` or jagged.
 
-    Like ``tf.nn.embedding_lookup_sparse`` and ``torch.nn.EmbeddingBag`` on a
-    dense ``[..., L]`` id array. With weights ``w`` (ones if ``None``) and rows
-    ``r``: ``"sum"`` is ``Σ w·r``, ``"mean"`` is ``Σ w·r / Σ w`` and ``"sqrtn"``
-    is ``Σ w·r / sqrt(Σ w²)``. Ids equal to ``padding_id`` contribute nothing,
-    forward or backward (their slots become padding in a sparse gradient). A
-    bag with nothing in it gives zeros, not NaN. The table's gradient under
-    :func:`jaxslices.value_and_grad` is sparse, as for :func:`embedding_lookup`.
+    Like ``tf.nn.embedding_lookup_sparse`` and ``torch.nn.EmbeddingBag``. The
+    bags are either the last axis of a dense ``[..., L]`` id array, or the bags
+    of a :class:`~jaxslices.JaggedIds` (flat ids plus offsets, as
+    ``EmbeddingBag(input, offsets)``; see :mod:`jaxslices.jagged`). With
+    weights ``w`` (ones if ``None``) and rows ``r``: ``"sum"`` is ``Σ w·r``,
+    ``"mean"`` is ``Σ w·r / Σ w`` and ``"sqrtn"`` is ``Σ w·r / sqrt(Σ w²)``.
+    Ids equal to ``padding_id`` contribute nothing, forward or backward (their
+    slots become padding in a sparse gradient). A bag with nothing in it gives
+    zeros, not NaN. The table's gradient under :func:`jaxslices.value_and_grad`
+    is sparse, as for :func:`embedding_lookup`: one slot per id slot (for
+    jagged ids ``max_total`` slots, the unused ones padding).
 
     Args:
       table: ``[V, ...]`` array.
-      ids: integer ``[..., L]`` array of bags of length ``L``.
-      weights: optional ``[..., L]`` per-id weights.
+      ids: integer ``[..., L]`` array of bags of length ``L``, or a
+        :class:`~jaxslices.JaggedIds` (its offsets are checked with
+        :func:`jaxslices.check_jagged`).
+      weights: optional per-id weights shaped like ``ids`` (for jagged ids,
+        ``[max_total]``, or give them in the ``JaggedIds``, not both).
       combiner: ``"mean"``, ``"sum"`` or ``"sqrtn"``.
       padding_id: id that marks an empty slot in a bag.
       dtype: cast the looked-up rows to this dtype.
       check_ids: raise if a (non-padding) id is out of range.
 
     Returns:
-      ``ids.shape[:-1] + table.shape[1:]``.
+      ``ids.shape[:-1] + table.shape[1:]``; for jagged ids
+      ``(num_bags,) + table.shape[1:]``.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
       >>> table = jnp.array([[1.0], [3.0], [5.0]])
       >>> jaxslices.embedding_bag(table, jnp.array([[0, 2, 9]]), padding_id=9)
       Array([[3.]], dtype=float32)
+      >>> bags = jaxslices.jagged_from_lists([[0, 2], [1]], max_total=4)
+      >>> jaxslices.embedding_bag(table, bags, combiner="sum")
+      Array([[6.],
+             [3.]], dtype=float32)
     """
-    table, ids, num_rows, handler = _prepare(table, ids, "embedding_bag")
+    where = "embedding_bag"
     if combiner not in _COMBINERS:
         raise ValueError(
-            f"embedding_bag: `combiner` must be one of {_COMBINERS}, got {combiner!r}."
+            f"{where}: `combiner` must be one of {_COMBINERS}, got {combiner!r}."
         )
+    segments = None
+    if isinstance(ids, JaggedIds):
+        jagged = check_jagged(ids, where)
+        if weights is not None and jagged.weights is not None:
+            raise ValueError(
+                f"{where}: weights given twice, in `weights` and in the JaggedIds; "
+                "pass one of them."
+            )
+        weights = jagged.weights if weights is None else weights
+        ids = jagged.values
+        segments = (segment_ids(jagged.offsets, jagged.max_total), jagged.num_bags)
+    table, ids, num_rows, handler = _prepare(table, ids, where)
     if ids.ndim < 1:
         raise ValueError(
-            "embedding_bag: `ids` must have at least one axis (the bag), got a "
+            f"{where}: `ids` must have at least one axis (the bag), got a "
             "scalar. Use embedding_lookup for single ids."
         )
-    if weights is not None:
-        weights = jnp.asarray(weights)
-        if weights.shape != ids.shape:
-            raise ValueError(
-                "embedding_bag: `weights` must have the shape of `ids` "
-                f"{tuple(ids.shape)}, got {tuple(weights.shape)}."
-            )
+    weights = weights_like(weights, ids.shape, "ids", where)
     info = np.iinfo(ids.dtype)
     if padding_id is not None and info.min <= padding_id <= info.max:
         present = ids != padding_id  # on the caller's own ids
     else:  # no padding, or a padding id that no id of this dtype can equal
         present = None
+    if segments is not None:  # unused slots of jagged ids are padding
+        used = jnp.asarray(segments[0] < segments[1])
+        present = used if present is None else jnp.asarray(present) & used
     if check_ids:
         ids = _ids.check(
             ids,
             num_rows,
-            "embedding_bag(check_ids=True)",
+            f"{where}(check_ids=True)",
             counted=present,
             like=(table,),
         )
@@ -232,11 +255,28 @@ def embedding_bag(
     w = present.astype(compute)
     if weights is not None:
         w = w * weights.astype(compute)
+    if segments is None:
+        reduce = functools.partial(jnp.sum, axis=ids.ndim - 1)
+    else:
+        reduce = functools.partial(_segment_sum, segments=segments)
+    return _combine(rows, w, reduce, combiner)
+
+
+def _segment_sum(x: jax.Array, segments: tuple[jax.Array, int]) -> jax.Array:
+    """Sum ``x``'s slots per bag (unused slots, segment ``num_bags``, dropped)."""
+    seg, num_bags = segments
+    out = jnp.zeros((num_bags, *x.shape[1:]), x.dtype)
+    return out.at[seg].add(x, mode="drop", indices_are_sorted=True)
+
+
+def _combine(rows: jax.Array, w: jax.Array, reduce: Any, combiner: str) -> jax.Array:
+    """``reduce`` (over the bag's slots) of ``w·rows``, scaled by the combiner."""
+    compute = rows.dtype
     w_rows = w.reshape(w.shape + (1,) * (rows.ndim - w.ndim))
-    total = jnp.sum(rows * w_rows, axis=ids.ndim - 1)
+    total = reduce(rows * w_rows)
     if combiner == "sum":
         return total
-    denom = jnp.sum(w, axis=-1) if combiner == "mean" else jnp.sqrt(jnp.sum(w * w, -1))
+    denom = reduce(w) if combiner == "mean" else jnp.sqrt(reduce(w * w))
     safe = jnp.where(denom == 0, jnp.ones((), compute), denom)
     scale = jnp.where(denom == 0, jnp.zeros((), compute), 1 / safe)
     return total * scale.reshape(scale.shape + (1,) * (total.ndim - scale.ndim))
