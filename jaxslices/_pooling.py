@@ -35,6 +35,7 @@ import numpy as np
 
 from . import _errors, _ids
 from .embedding import embedding_lookup
+from .jagged import segment_ids
 from .keyed import KeyedJaggedIds
 
 WHERE = "EmbeddingCollection"
@@ -324,17 +325,6 @@ def _padded(coll, params, features, padding_id, weights, check_ids, batch_major)
 # ------------------------------------------------------------------- jagged
 
 
-def _bag_of_slot(offsets: Any, max_total: int) -> jax.Array:
-    """The bag of each slot ``[max_total]``; ``num_bags`` for unused slots.
-
-    ``#{b : offsets[b + 1] <= slot}``: ends are counted into a histogram
-    (scatter-add) whose running sum is the bag index; ``O(max_total + bags)``.
-    """
-    offsets = jnp.asarray(offsets).astype(jnp.int32)
-    marks = jnp.zeros(max_total + 1, jnp.int32).at[offsets[1:]].add(1, mode="drop")
-    return jnp.cumsum(marks[:max_total]).astype(jnp.int32)
-
-
 def _seq_overflow_error(n, key, *, keys, seq_len):
     return ValueError(
         f"{WHERE}: {n} {'bag is' if n == 1 else 'bags are'} longer than "
@@ -349,7 +339,7 @@ def _jagged(coll, params, features, check_ids, batch_major):
     values = _as_ids(features.values, "the ids")
     spec = Keys.of(coll, features.keys)
     F, B, N = len(spec.keys), features.batch_size, features.max_total
-    seg = _bag_of_slot(features.offsets, N)  # feature-major bag, F * B: unused
+    seg = segment_ids(features.offsets, N)  # feature-major bag, F * B: unused
     kid = seg // B  # the slot's key; F for unused slots
     valid = _valid(values, spec.rows, kid)
     if check_ids:

@@ -24,7 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .jagged import JaggedIds, jagged_from_lengths
+from .jagged import (
+    JaggedIds,
+    check_jagged,
+    jagged_from_lengths,
+    jagged_from_lists,
+    jagged_from_padded,
+)
 
 __all__ = ["KeyedJaggedIds"]
 
@@ -85,7 +91,21 @@ class KeyedJaggedIds:
                 "len(keys) * batch_size of them."
             )
         self.keys = keys
-        self.ids = ids
+        # offsets made by hand are checked (eagerly, or under jit when used)
+        self.ids = check_jagged(ids, "KeyedJaggedIds")
+
+    @classmethod
+    def _made(cls, keys: tuple[str, ...], ids: JaggedIds) -> KeyedJaggedIds:
+        """From jaxslices' own constructors, whose offsets are valid."""
+        if ids.num_bags % len(keys):
+            raise ValueError(
+                f"KeyedJaggedIds: {ids.num_bags} bags cannot be split over "
+                f"{len(keys)} features {keys}: the bags are feature-major, "
+                "len(keys) * batch_size of them."
+            )
+        out = object.__new__(cls)
+        out.keys, out.ids = keys, ids
+        return out
 
     # -- pytree ---------------------------------------------------------------
     def tree_flatten_with_keys(self):
@@ -163,7 +183,7 @@ class KeyedJaggedIds:
           (2, [0, 1, 1, 3, 3])
         """
         keys = _check_keys(keys, "KeyedJaggedIds.from_lengths")
-        lengths = np.asarray(lengths)
+        lengths = jnp.asarray(lengths)
         if lengths.ndim == 2 and lengths.shape[0] != len(keys):
             raise ValueError(
                 f"KeyedJaggedIds.from_lengths: `lengths` of shape {lengths.shape} "
@@ -172,7 +192,7 @@ class KeyedJaggedIds:
         ids = jagged_from_lengths(
             values, lengths.reshape(-1), max_total=max_total, weights=weights
         )
-        return cls(keys, ids)
+        return cls._made(keys, ids)
 
     @classmethod
     def from_lists(
@@ -205,19 +225,13 @@ class KeyedJaggedIds:
                 f"{where}: `weights` must have the keys of `lists` {list(keys)}, "
                 f"got {list(weights)}."
             )
-        bags = [list(bag) for k in keys for bag in lists[k]]
-        lengths = np.array([len(b) for b in bags], np.int64)
-        flat = [i for b in bags for i in b]
-        values = np.asarray(flat if flat else np.zeros(0, np.int32))
-        if not np.issubdtype(values.dtype, np.integer):
-            raise TypeError(f"{where}: ids must be integers, got {values.dtype}.")
-        w = None
-        if weights is not None:
-            wb = [list(bag) for k in keys for bag in weights[k]]
-            if [len(b) for b in wb] != lengths.tolist():
-                raise ValueError(f"{where}: each weight bag must match its id bag.")
-            w = np.asarray([x for b in wb for x in b], np.float32)
-        return cls.from_lengths(keys, values, lengths, weights=w, max_total=max_total)
+        bags = [bag for k in keys for bag in lists[k]]
+        flat = np.asarray([i for b in bags for i in b])
+        if flat.size and not np.issubdtype(flat.dtype, np.integer):
+            raise TypeError(f"{where}: ids must be integers, got {flat.dtype}.")
+        w = None if weights is None else [bag for k in keys for bag in weights[k]]
+        ids = jagged_from_lists(bags, max_total=max_total, weights=w)
+        return cls._made(keys, ids)
 
     @classmethod
     def from_padded(
@@ -231,7 +245,7 @@ class KeyedJaggedIds:
 
         Works on traced arrays (under ``jit``): ``max_total`` is ``F * B * L``
         (``L``: the longest bag axis; features may differ in ``L``), and the
-        ids of each bag keep their order.
+        ids of each bag keep their order (:func:`jaxslices.jagged_from_padded`).
 
         Example:
           >>> import jax.numpy as jnp, jaxslices as js
@@ -268,18 +282,15 @@ class KeyedJaggedIds:
                         f"{where}: weights of {k!r} must have shape {a.shape}, got "
                         f"{w.shape}."
                     )
+        L = max(a.shape[1] for a in arrs)
         dtype = jnp.result_type(*arrs)
-        flat = jnp.concatenate([a.astype(dtype).reshape(-1) for a in arrs])
-        present = jnp.concatenate([(a != padding_id).reshape(-1) for a in arrs])
-        lengths = jnp.concatenate([jnp.sum(a != padding_id, axis=1) for a in arrs])
-        # stable partition: present slots first, in order
-        order = jnp.argsort(~present, stable=True)
-        values = jnp.where(present[order], flat[order], 0)
-        offsets = jnp.concatenate(
-            [jnp.zeros(1, jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)]
-        )
+
+        def pad(a, v):
+            return jnp.pad(a, ((0, 0), (0, L - a.shape[1])), constant_values=v)
+
+        ids = jnp.concatenate([pad(a.astype(dtype), padding_id) for a in arrs])
         w = None
         if ws is not None:
-            wflat = jnp.concatenate([x.reshape(-1) for x in ws])
-            w = jnp.where(present[order], wflat[order], 0)
-        return cls(keys, JaggedIds(values, offsets, w))
+            w = jnp.concatenate([pad(x, 0) for x in ws])
+        jagged = jagged_from_padded(ids, padding_id=padding_id, weights=w)
+        return cls._made(keys, jagged)

@@ -461,6 +461,12 @@ def test_keyed_constructors_agree_and_from_padded_runs_under_jit():
     assert jax.tree.unflatten(treedef, leaves).keys == ("a", "b")
     with pytest.raises(ValueError, match="cannot be split over 2 features"):
         js.KeyedJaggedIds(["a", "b"], k1.ids._replace(offsets=k1.offsets[:4]))
+    with pytest.raises(ValueError, match="invalid JaggedIds offsets"):  # by hand
+        js.KeyedJaggedIds(
+            ["a"], js.JaggedIds(jnp.zeros(2, jnp.int32), jnp.array([0, 3]))
+        )
+    with pytest.raises(TypeError, match="ids must be integers"):
+        js.KeyedJaggedIds.from_lists({"a": [[1.5]]})
     with pytest.raises(ValueError, match="same number of examples"):
         js.KeyedJaggedIds.from_lists({"a": [[1]], "b": [[1], [2]]})
 
