@@ -20,7 +20,7 @@ jaxslices`` imports neither Flax nor Equinox):
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import _checkpoint
+from . import _checkpoint, _moved, transforms
 from . import per_table as per_table
 from . import sharding as sharding
 from .autodiff import grad as grad
@@ -87,6 +87,7 @@ from .tree import tree_scale as tree_scale
 from .updates import apply_updates as apply_updates
 
 _checkpoint.install_flax_serialization()  # Flax msgpack saves IndexedSlices
+_moved.install()  # old module paths (pickles of earlier layouts) keep loading
 
 
 def __getattr__(name: str):
@@ -107,8 +108,6 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     "IndexedSlices",
     "JaggedIds",
-    "MultiSteps",
-    "MultiStepsState",
     "check_ids",
     "check_jagged",
     "embedding_bag",
@@ -134,32 +133,6 @@ __all__ = [
     "tree_psum",
     "tree_scale",
     "apply_updates",
-    "add_decayed_weights",
-    "adagrad",
-    "clip",
-    "clip_by_global_norm",
-    "clip_by_row_norm",
-    "densify",
-    "lazy_adam",
-    "lazy_adamw",
-    "scale",
-    "scale_by_lazy_adam",
-    "scale_by_learning_rate",
-    "scale_by_rss",
-    "scale_by_schedule",
-    "sgd",
-    "trace",
-    "apply_if_finite",
-    "ftrl",
-    "rowwise_adagrad",
-    "scale_by_rowwise_rss",
-    "FtrlState",
-    "ScaleByRowwiseRssState",
-    "AddDecayedWeightsState",
-    "ScaleByLazyAdamState",
-    "ScaleByRssState",
-    "ScaleByScheduleState",
-    "TraceState",
     "sharding",
     "shard_rows",
     "sharded_init",
@@ -170,3 +143,4 @@ __all__ = [
     "TableConfig",
     "per_table",
 ]
+__all__ += transforms.__all__  # every transform, re-exported above

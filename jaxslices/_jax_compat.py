@@ -8,8 +8,8 @@ public JAX only. The names that are private to JAX (``jax._src``, attributes of
 JAX's internal objects) or that moved between releases are reached through
 this module alone, one *entry* each. An entry is
 
-* resolved once, at import, without starting a JAX backend (so that
-  ``jax.distributed.initialize`` can still run after ``import jaxslices``);
+* resolved once, at import, without starting JAX's platform runtime (so
+  that ``jax.distributed.initialize`` can still run after ``import jaxslices``);
 * switched by its flag in :data:`AVAILABLE` (``False`` where the names are
   missing), which every function below reads at call time. That flag is the
   one switch tests use to take an entry away

@@ -269,8 +269,8 @@ def _raising(name: str, original: Any) -> Any:
 def _with_messages(typed: Any) -> Any:
     """Install the messages on the class of the first concrete typed array.
 
-    Done lazily, not at import: making a concrete array starts JAX's backend,
-    and ``jax.distributed.initialize`` must be able to run after
+    Done lazily, not at import: making a concrete array starts JAX's platform
+    runtime, and ``jax.distributed.initialize`` must be able to run after
     ``import jaxslices``. Tracers are skipped (their class is not the eager one).
     """
     global MESSAGES_INSTALLED

@@ -140,19 +140,28 @@ def tree_map_values(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
       >>> half.dtype, half.indices
       (dtype(bfloat16), Array([1, 2], dtype=int32))
     """
+    return _map_values("tree_map_values", fn, tree)
+
+
+def _map_values(name: str, fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
+    """:func:`tree_map_values`, its errors naming ``jaxslices.<name>``.
+
+    The one value-wise map of gradient trees: :func:`tree_map_values` and the
+    value-wise transforms (``scale``, ``scale_by_schedule``) use it.
+    """
 
     def leaf(path, g):
         if g is None:
             return None
         if isinstance(g, IndexedSlices):
-            check_slices(g, _where("tree_map_values", path))
+            check_slices(g, _where(name, path))
             values = fn(g.values)
             want = (g.num_slices, *g.row_shape)
             got = getattr(values, "shape", None)
             if got is None or tuple(got) != want:
                 what = type(values).__name__ if got is None else f"shape {got}"
                 raise ValueError(
-                    f"{_where('tree_map_values', path)}: `fn` must keep the shape "
+                    f"{_where(name, path)}: `fn` must keep the shape "
                     f"of the values of an IndexedSlices, {want} (one row of shape "
                     f"dense_shape[1:] = {g.row_shape} per slot), but it returned "
                     f"{what}. fn sees the slots' rows, so it must act row by row "

@@ -230,7 +230,7 @@ class MultiSteps:
         )
 
     # -------------------------------------------------------------- update
-    def _append(self, path, buf: IndexedSlices, fill, g: IndexedSlices, k_steps):
+    def _append(self, path, buf: IndexedSlices, fill, g: IndexedSlices):
         """Add ``g``'s slots to the buffer: concatenate, or coalesce when full."""
         where = _where(path)
         if g.dense_shape != buf.dense_shape:
@@ -281,7 +281,6 @@ class MultiSteps:
             )
             return kept, jnp.minimum(distinct, cap).astype(fill.dtype)
 
-        del k_steps
         return jax.lax.cond(fill + n <= cap, append, merge, buf, fill)
 
     def update(
@@ -297,39 +296,22 @@ class MultiSteps:
         (:meth:`_should_skip`), add the micro-gradient to the accumulators
         (:meth:`_accumulate`), read them as one gradient (:meth:`_gradient`),
         run the wrapped optimizer on the ``k``-th micro-step only
-        (:meth:`_emit`), empty the accumulators after it (:func:`_reset`), and
-        keep the old state on a skipped micro-step.
+        (:meth:`_emit`), count the micro-step and empty the accumulators after
+        an inner step (:func:`_advance`), and keep the old state on a skipped
+        micro-step.
         """
         should_skip, skip_state = self._should_skip(updates, state, params)
         _leaves.check_structure(
             _NAME, updates, "updates", state.acc_fill, "the params given to init"
         )
         k_steps = self._every_k_schedule(state.gradient_step)
-        acc_grads, acc_fill = self._accumulate(updates, state, k_steps)
+        acc_grads, acc_fill = self._accumulate(updates, state)
         grads = self._gradient(acc_grads, updates, state.mini_step)
         emit = state.mini_step >= k_steps - 1
         new_updates, new_inner, zero = self._emit(
             emit, grads, state.inner_opt_state, params, extra_args
         )
-        reset_acc, reset_fill = _reset(acc_grads, acc_fill)
-        acc_grads, acc_fill = jax.lax.cond(
-            emit,
-            lambda _: (reset_acc, reset_fill),
-            lambda _: (acc_grads, acc_fill),
-            None,
-        )
-        done = MultiStepsState(
-            mini_step=jnp.where(emit, 0, optax.safe_increment(state.mini_step)).astype(
-                jnp.int32
-            ),
-            gradient_step=jnp.where(
-                emit, optax.safe_increment(state.gradient_step), state.gradient_step
-            ).astype(jnp.int32),
-            inner_opt_state=new_inner,
-            acc_grads=acc_grads,
-            acc_fill=acc_fill,
-            skip_state=skip_state,
-        )
+        done = _advance(state, emit, new_inner, acc_grads, acc_fill, skip_state)
         skipped = state._replace(skip_state=skip_state)
         return jax.lax.cond(
             should_skip,
@@ -353,7 +335,7 @@ class MultiSteps:
             )
         return should_skip, skip_state
 
-    def _accumulate(self, updates: Any, state: MultiStepsState, k_steps: Any):
+    def _accumulate(self, updates: Any, state: MultiStepsState):
         """``(acc_grads, acc_fill)`` with this micro-gradient added.
 
         Dense leaves: Optax's running mean (or sum) in ``accumulator_dtype``;
@@ -380,7 +362,7 @@ class MultiSteps:
                     "capacity to None."
                 )
             if sparse_acc:
-                return _Pair(*self._append(path, acc, fill, g, k_steps))
+                return _Pair(*self._append(path, acc, fill, g))
             if self._use_grad_mean:  # Welford mean, as optax.MultiSteps
                 new = acc + (g - acc) / (n_acc + 1)
             else:
@@ -450,6 +432,41 @@ class _Pair:
 
     def __init__(self, acc: Any, fill: Any):
         self.acc, self.fill = acc, fill
+
+
+def _advance(
+    state: MultiStepsState,
+    emit: Any,
+    inner_opt_state: Any,
+    acc_grads: Any,
+    acc_fill: Any,
+    skip_state: Any,
+) -> MultiStepsState:
+    """The state after a micro-step that was not skipped.
+
+    Where ``emit`` (the wrapped optimizer ran), the micro-step count restarts,
+    the inner step count grows and the accumulators are emptied
+    (:func:`_reset`); otherwise the micro-step count grows.
+    """
+    reset_acc, reset_fill = _reset(acc_grads, acc_fill)
+    acc_grads, acc_fill = jax.lax.cond(
+        emit,
+        lambda _: (reset_acc, reset_fill),
+        lambda _: (acc_grads, acc_fill),
+        None,
+    )
+    mini_step = jnp.where(emit, 0, optax.safe_increment(state.mini_step))
+    gradient_step = jnp.where(
+        emit, optax.safe_increment(state.gradient_step), state.gradient_step
+    )
+    return MultiStepsState(
+        mini_step=mini_step.astype(jnp.int32),
+        gradient_step=gradient_step.astype(jnp.int32),
+        inner_opt_state=inner_opt_state,
+        acc_grads=acc_grads,
+        acc_fill=acc_fill,
+        skip_state=skip_state,
+    )
 
 
 def _reset(acc_grads: Any, acc_fill: Any) -> tuple[Any, Any]:

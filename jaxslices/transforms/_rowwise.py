@@ -35,6 +35,7 @@ from jax.typing import ArrayLike
 
 from .. import _coalesce, _layout, _leaves, slices
 from ..slices import IndexedSlices, _replace_values, check_slices
+from ..tree import _map_values
 
 ScalarOrSchedule = ArrayLike | Callable[[ArrayLike], ArrayLike]
 Rule = Callable[[jax.Array, tuple[jax.Array, ...], Any], tuple[Any, tuple[Any, ...]]]
@@ -124,18 +125,10 @@ def map_values(name: str, fn: Callable[[jax.Array], jax.Array], updates: Any):
     """Apply ``fn`` to each dense leaf and to the values of each slices leaf.
 
     For value-wise maths (scaling) that needs neither state nor distinct rows:
-    slices keep their indices and are not coalesced.
+    slices keep their indices and are not coalesced (:func:`jaxslices.tree_map_values`,
+    its errors naming ``jaxslices.<name>``).
     """
-
-    def leaf(path, g):
-        if g is None:
-            return None
-        if isinstance(g, IndexedSlices):
-            check_slices(g, where(name, path))
-            return _replace_values(g, fn(g.values))
-        return fn(jnp.asarray(g))
-
-    return jax.tree_util.tree_map_with_path(leaf, updates, is_leaf=is_leaf)
+    return _map_values(name, lambda x: fn(jnp.asarray(x)), updates)
 
 
 def rows(x: Any, c: IndexedSlices) -> jax.Array:

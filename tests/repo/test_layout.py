@@ -11,15 +11,63 @@ that the optional units are imported by nothing else in the package.
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 import sys
 from pathlib import Path
 
 import pytest
 
+from jaxslices._moved import MOVED
+
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "jaxslices"
 MAP = PKG / "README.md"
+
+#: Every public name of the flat layout (commit b939c6b), by the module it was
+#: imported from: each must still import from there.
+OLD_PUBLIC_NAMES = {
+    "jaxslices": (
+        "AddDecayedWeightsState FtrlState IndexedSlices MultiSteps MultiStepsState "
+        "ScaleByLazyAdamState ScaleByRowwiseRssState ScaleByRssState "
+        "ScaleByScheduleState TraceState adagrad add_decayed_weights "
+        "apply_if_finite apply_updates check_ids clip clip_by_global_norm "
+        "clip_by_row_norm coalesce concatenate densify embedding_bag "
+        "embedding_lookup from_dense ftrl global_norm grad is_indexed_slices "
+        "lazy_adam lazy_adamw rowwise_adagrad scale scale_by_lazy_adam "
+        "scale_by_learning_rate scale_by_rowwise_rss scale_by_rss scale_by_schedule "
+        "scatter_add scatter_sub scatter_update sgd shard_rows sharded_init "
+        "sharded_lookup sharded_update sharding sparse_mask to_dense trace tree_add "
+        "tree_map_values tree_pmean tree_psum tree_scale value_and_grad"
+    ),
+    "jaxslices.transforms": (
+        "AddDecayedWeightsState FtrlState ScaleByLazyAdamState "
+        "ScaleByRowwiseRssState ScaleByRssState ScaleByScheduleState TraceState "
+        "adagrad add_decayed_weights clip clip_by_global_norm clip_by_row_norm "
+        "densify ftrl lazy_adam lazy_adamw rowwise_adagrad scale scale_by_lazy_adam "
+        "scale_by_learning_rate scale_by_rowwise_rss scale_by_rss scale_by_schedule "
+        "sgd trace"
+    ),
+    "jaxslices.sharding": (
+        "Routing replicate_rows shard_rows sharded_init sharded_lookup sharded_update"
+    ),
+    "jaxslices.native": (
+        "NativeBackendError RowSparse RowSparseType SparseTable SparseTableType "
+        "is_marked is_row_sparse lookup mark to_indexed_slices"
+    ),
+    "jaxslices.nnx": "Embed grad value_and_grad",
+    "jaxslices.linen": "Embed",
+    "jaxslices.equinox": "Embedding apply_updates filter_grad filter_value_and_grad",
+    "jaxslices.accumulate": "MultiSteps MultiStepsState",
+    "jaxslices.tree": "tree_add tree_map_values tree_pmean tree_psum tree_scale",
+    "jaxslices.slices": (
+        "IndexedSlices coalesce from_dense global_norm is_indexed_slices "
+        "scatter_add scatter_sub scatter_update sparse_mask to_dense valid_mask"
+    ),
+    "jaxslices.embedding": "check_ids embedding_bag embedding_lookup",
+    "jaxslices.autodiff": "grad value_and_grad",
+    "jaxslices.updates": "apply_updates",
+}
 
 
 def modules() -> dict[str, Path]:
@@ -186,3 +234,27 @@ def test_the_graph_reader_sees_relative_and_nested_imports():
     assert "slices" in GRAPH["transforms._rowwise"]  # from .. import slices
     assert "transforms._rowwise" in GRAPH["transforms._alias"]
     assert "slices" in GRAPH["_checkpoint"]  # also imported inside a function
+
+
+@pytest.mark.parametrize("module", sorted(OLD_PUBLIC_NAMES))
+def test_every_public_name_of_the_old_layout_still_imports(module):
+    mod = importlib.import_module(module)
+    missing = [n for n in OLD_PUBLIC_NAMES[module].split() if not hasattr(mod, n)]
+    assert not missing, f"{module} lost {missing}"
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_module_imports_under_its_old_path(old):
+    assert old.removeprefix("jaxslices.") not in modules(), f"{old} exists"
+    assert importlib.import_module(old) is importlib.import_module(MOVED[old])
+
+
+def test_the_old_paths_hook_never_hides_a_module():
+    # Last on sys.meta_path, and only for the names it maps.
+    import jaxslices._moved as moved
+
+    finders = [f for f in sys.meta_path if isinstance(f, moved._MovedFinder)]
+    assert len(finders) == 1 and sys.meta_path[-1] is finders[0]
+    assert finders[0].find_spec("jaxslices.slices") is None
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("jaxslices._no_such_module")
