@@ -290,9 +290,11 @@ class EmbeddingCollection:
         return {b.name: b.shape for b in self.buffers}
 
     # -- params ---------------------------------------------------------------
-    def _build(self, key: jax.Array) -> dict[str, jax.Array]:
+    def _build(self, key: jax.Array, only: str | None = None) -> dict[str, jax.Array]:
         out = {}
         for b in self.buffers:
+            if only is not None and b.name != only:
+                continue
             parts = []
             for name in b.tables:
                 t = self._by_name[name]
@@ -301,6 +303,15 @@ class EmbeddingCollection:
                 parts.append(jnp.asarray(init(k, (t.rows, t.dim), t.dtype), t.dtype))
             out[b.name] = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
         return out
+
+    def init_buffer(self, key: jax.Array, name: str) -> jax.Array:
+        """One buffer of :meth:`init` (``init(key)[name]``), built alone."""
+        if name not in self.shapes:
+            raise KeyError(
+                f"EmbeddingCollection: no buffer {name!r}; buffers: "
+                f"{list(self.shapes)}."
+            )
+        return self._build(key, name)[name]
 
     def init(self, key: jax.Array) -> dict[str, jax.Array]:
         """The params ``{buffer name: [rows, dim]}``, each table by its initializer.

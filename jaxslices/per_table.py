@@ -17,8 +17,10 @@ the buffer's size is kept).
   only for slices (as :func:`jaxslices.add_decayed_weights`).
 
 Both act on the leaves of the updates tree that are a buffer of the
-collection: the last key of the leaf's path is the buffer's name (as in
-``{"emb": {"dim64_float32": ...}}``) and its (dense) shape is the buffer's.
+collection: a key of the leaf's path is the buffer's name (as in
+``{"emb": {"dim64_float32": ...}}``, or an NNX state's
+``["emb"]["buffers"]["dim64_float32"]``) and its (dense) shape is the
+buffer's.
 Other leaves pass through unchanged; a tree without any buffer of the
 collection raises an error.
 """
@@ -86,8 +88,12 @@ def _map_buffers(coll: Any, updates: Any, fn: Any, where: str, *others: Any) -> 
     def leaf(path, g, *xs):
         if g is None:
             return None
-        name = _key_name(path[-1]) if path else None
-        b = by_name.get(name) if isinstance(name, str) else None
+        # the last path entry that names a buffer (NNX adds entries below it)
+        names = [_key_name(e) for e in path]
+        name = next(
+            (n for n in reversed(names) if isinstance(n, str) and n in by_name), None
+        )
+        b = by_name.get(name)
         shape = tuple(g.shape) if hasattr(g, "shape") else None
         if b is None or shape != b.shape:
             return g
