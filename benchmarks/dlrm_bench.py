@@ -159,6 +159,7 @@ class JaxPath:
     def compile(self, inp) -> dict:
         t0 = time.perf_counter()
         compiled = self.step.lower(self.params, self.state, *inp).compile()
+        self.step = compiled  # run what was compiled (jit would compile again)
         m = compiled.memory_analysis()
         return {
             "compile_s": round(time.perf_counter() - t0, 2),
@@ -196,6 +197,7 @@ class TorchWorker:
             f"--max-len={a.max_len}", f"--opt={a.opt}", f"--lr={a.lr}",
             f"--dense-lr={a.dense_lr}", f"--head={a.head}", f"--seed={a.seed}",
             f"--pool={a.pool}", f"--check-steps={a.check_steps}",
+            f"--tables={a.tables}",
         ]  # fmt: skip
         if a.torch_threads:
             args.append(f"--threads={a.torch_threads}")
@@ -230,6 +232,7 @@ def main(
     dense_lr: float = 0.1,
     head: str = "dlrm",
     paths: tuple[str, ...] = PATHS,
+    tables: int = 26,
     torchrec_python: str | None = None,
     torch_threads: int = 0,
     check_steps: int = 3,
@@ -240,7 +243,7 @@ def main(
     out: str | None = None,
 ) -> dict:
     a = argparse.Namespace(**locals())
-    sizes = synth.table_sizes(scale)
+    sizes = synth.table_sizes(scale)[:tables]
     data = synth.CriteoSynth(tuple(sizes), batch, max_len, seed=seed)
     load = [os.getloadavg()[0]]
     init = synth.init_dlrm(sizes, dim, seed=seed)
@@ -354,6 +357,7 @@ if __name__ == "__main__":
     p.add_argument("--dense-lr", type=float, default=0.1)
     p.add_argument("--head", default="dlrm", choices=("dlrm", "linear"))
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    p.add_argument("--tables", type=int, default=26, help="the first N of Criteo's")
     p.add_argument("--torchrec-python", default=None)
     p.add_argument("--torch-threads", type=int, default=0)
     p.add_argument("--check-steps", type=int, default=3)

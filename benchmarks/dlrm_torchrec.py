@@ -56,7 +56,7 @@ class LinearHead(torch.nn.Module):
 
 class Runner:
     def __init__(self, a):
-        sizes = synth.table_sizes(a.scale)
+        sizes = synth.table_sizes(a.scale)[: a.tables]
         init = synth.init_dlrm(sizes, a.dim, seed=a.seed)
         self.keys = [f"C{f + 1}" for f in range(len(sizes))]
         tables = [
@@ -149,6 +149,7 @@ def parse(argv=None):
     p.add_argument("--dense-lr", type=float, default=0.1)
     p.add_argument("--head", default="dlrm", choices=("dlrm", "linear"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tables", type=int, default=26)
     p.add_argument("--pool", type=int, default=4)
     p.add_argument("--check-steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="0: torch's default")
@@ -161,7 +162,7 @@ def main(argv=None):
     a = parse(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    sizes = synth.table_sizes(a.scale)
+    sizes = synth.table_sizes(a.scale)[: a.tables]
     data = synth.CriteoSynth(tuple(sizes), a.batch, a.max_len, seed=a.seed)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
