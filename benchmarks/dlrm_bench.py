@@ -19,7 +19,10 @@ SGD:
   reads and writes every row;
 * ``torchrec`` (with ``--torchrec-python``): ``benchmarks/dlrm_torchrec.py``
   in a worker process of that interpreter: TorchRec's ``DLRM`` over a
-  ``FusedEmbeddingBagCollection`` (FBGEMM, optimizer fused into backward).
+  ``FusedEmbeddingBagCollection`` (FBGEMM, optimizer fused into backward);
+  ``--torch-threads 0 1`` runs one worker with torch's default threads and
+  one with 1 thread (``torchrec_1thread``): on a shared machine torch's
+  OpenMP threads suffer when a core is taken.
 
 ``--head linear`` swaps the MLPs and interactions for one linear layer on the
 pooled embeddings: the sparse part alone, where the paths differ.
@@ -190,7 +193,7 @@ def linear_init(n_in: int, seed: int):
 class TorchWorker:
     """``dlrm_torchrec.py --serve`` in another interpreter, driven over pipes."""
 
-    def __init__(self, python: str, a):
+    def __init__(self, python: str, a, threads: int):
         script = Path(__file__).with_name("dlrm_torchrec.py")
         args = [
             f"--batch={a.batch}", f"--dim={a.dim}", f"--scale={a.scale}",
@@ -199,8 +202,8 @@ class TorchWorker:
             f"--pool={a.pool}", f"--check-steps={a.check_steps}",
             f"--tables={a.tables}",
         ]  # fmt: skip
-        if a.torch_threads:
-            args.append(f"--threads={a.torch_threads}")
+        if threads:
+            args.append(f"--threads={threads}")
         self.cmd = [python, str(script), "--serve", *args]
         self.proc = subprocess.Popen(
             self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -234,13 +237,14 @@ def main(
     paths: tuple[str, ...] = PATHS,
     tables: int = 26,
     torchrec_python: str | None = None,
-    torch_threads: int = 0,
+    torch_threads: tuple[int, ...] = (0,),
     check_steps: int = 3,
     steps: int = 5,
     passes: int = 8,
     pool: int = 4,
     seed: int = 0,
     out: str | None = None,
+    tag: str = "",
 ) -> dict:
     a = argparse.Namespace(**locals())
     sizes = synth.table_sizes(scale)[:tables]
@@ -257,18 +261,18 @@ def main(
     del init
     check = {p: [r.run(r.inputs(data.batch_at(i))) for i in range(check_steps)]
              for p, r in runners.items()}  # fmt: skip
-    worker = TorchWorker(torchrec_python, a) if torchrec_python else None
-    if worker is not None:
-        check["torchrec"] = worker.info["check_losses"]
+    workers = {}  # one TorchRec worker per thread count (0: torch's default)
+    for n in torch_threads if torchrec_python else ():
+        name = "torchrec" if n == 0 else f"torchrec_{n}thread"
+        workers[name] = TorchWorker(torchrec_python, a, n)
+        check[name] = workers[name].info["check_losses"]
     ref = np.asarray(check[paths[0]])
     check_gap = {
         p: float(np.max(np.abs(np.asarray(v) - ref))) for p, v in check.items()
     }
     inputs = {p: [r.inputs(data.batch_at(i)) for i in range(pool)]
               for p, r in runners.items()}  # fmt: skip
-    times: dict[str, list[float]] = {
-        p: [] for p in [*runners, *(["torchrec"] if worker else [])]
-    }
+    times: dict[str, list[float]] = {p: [] for p in [*runners, *workers]}
     counter = {p: 0 for p in runners}
 
     cpu_ms: dict[str, list[float]] = {p: [] for p in times}
@@ -291,15 +295,15 @@ def main(
     for _ in range(passes):
         for i in rng.permutation(len(names)):
             name = names[i]
-            if name == "torchrec":
-                t, c = worker.run(steps + 1)
+            if name in workers:
+                t, c = workers[name].run(steps + 1)
                 times[name] += t[1:]
                 cpu_ms[name].append(c)
             else:
                 jax_turn(name)
         load.append(os.getloadavg()[0])
-    if worker is not None:
-        worker.close()
+    for w in workers.values():
+        w.close()
     med = {
         p: {**summary(t), "cpu_ms": float(np.median(cpu_ms[p]))}
         for p, t in times.items()
@@ -325,12 +329,16 @@ def main(
         },
         "peak_rss_mb": rss_mb()["peak_rss_mb"],
     }
-    if worker is not None:
-        report["torchrec"] = {
-            k: v for k, v in worker.info.items() if k != "check_losses"
-        }
-        report["torchrec"]["command"] = " ".join(worker.cmd[1:])
-    name = f"dlrm_bench_{report['backend']}{'' if head == 'dlrm' else '_' + head}.json"
+    for name, w in workers.items():
+        report[name] = {k: v for k, v in w.info.items() if k != "check_losses"}
+        report[name]["command"] = " ".join(w.cmd[1:])
+    name = "_".join(
+        ["dlrm_bench", report["backend"]]
+        + ([] if head == "dlrm" else [head])
+        + ([] if batch == 2048 else [f"b{batch}"])
+        + ([tag] if tag else [])
+    )
+    name += ".json"
     save_json(report, out, name)
     print(f"DLRM step ({head} head, batch {batch}, {len(sizes)} tables, "
           f"{sum(sizes):,} rows x {dim}, {opt}); load {load[0]:.1f}:")  # fmt: skip
@@ -359,10 +367,17 @@ if __name__ == "__main__":
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     p.add_argument("--tables", type=int, default=26, help="the first N of Criteo's")
     p.add_argument("--torchrec-python", default=None)
-    p.add_argument("--torch-threads", type=int, default=0)
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="one TorchRec worker per value (0: torch's default)",
+    )
     p.add_argument("--check-steps", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--passes", type=int, default=8)
     p.add_argument("--pool", type=int, default=4)
     p.add_argument("--out", default=None)
+    p.add_argument("--tag", default="", help="appended to the JSON's name")
     main(**{k.replace("-", "_"): v for k, v in vars(p.parse_args()).items()})

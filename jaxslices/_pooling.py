@@ -48,27 +48,33 @@ class Keys:
     keys: tuple[str, ...]
     rows: np.ndarray  # table rows (0: not a feature of the collection)
     buffer: tuple[Any, ...]  # buffer name or None
-    start: np.ndarray  # the table's first row in its buffer
+    start: np.ndarray  # the table's row 0 in its buffer (placement base)
+    chunk: np.ndarray  # rows per chunk (row-wise plans; else the table's rows)
+    stride: np.ndarray  # rows between chunks / pieces
     combiner: tuple[Any, ...]
     seq_len: np.ndarray  # sequence tables: L, else 0
 
     @staticmethod
     @functools.lru_cache(maxsize=256)
-    def of(coll: Any, keys: tuple[str, ...]) -> Keys:
-        rows, buf, start, comb, seq = [], [], [], [], []
+    def of(coll: Any, layout: Any, keys: tuple[str, ...]) -> Keys:
+        rows, buf, start, chunk, stride, comb, seq = [], [], [], [], [], [], []
         for k in keys:
             if k in coll._table_of_feature:
                 t = coll.table_config(coll.table_of(k))
-                name, first = coll.placement(t.name)
+                where = layout.placement(t.name)
                 rows.append(t.rows)
-                buf.append(name)
-                start.append(first)
+                buf.append(where.buffer)
+                start.append(where.base)
+                chunk.append(where.chunk)
+                stride.append(where.stride)
                 comb.append(t.combiner)
                 seq.append(t.max_sequence_length or 0)
             else:
                 rows.append(0)
                 buf.append(None)
                 start.append(0)
+                chunk.append(1)
+                stride.append(0)
                 comb.append("sum")
                 seq.append(0)
         return Keys(
@@ -76,9 +82,15 @@ class Keys:
             np.array(rows + [0], np.int64),
             tuple(buf) + (None,),
             np.array(start + [0], np.int64),
+            np.array(chunk + [1], np.int64),
+            np.array(stride + [0], np.int64),
             tuple(comb) + ("sum",),
             np.array(seq + [0], np.int64),
         )
+
+    def chunked(self, sel: Any) -> bool:
+        """Whether any of the keys ``sel`` has a table split in chunks."""
+        return bool(np.any(self.chunk[sel] < self.rows[sel]))
 
     def pooled_of(self, buffer: str) -> list[int]:
         """Positions of the buffer's pooled features among the keys."""
@@ -102,6 +114,7 @@ class Keys:
 
 def lookup(
     coll: Any,
+    layout: Any,
     params: Mapping[str, Any],
     features: Any,
     *,
@@ -121,10 +134,10 @@ def lookup(
                 "dict of [B, L] ids); a KeyedJaggedIds has no padding and carries "
                 "its own weights."
             )
-        return _jagged(coll, params, features, check_ids, batch_major)
+        return _jagged(coll, layout, params, features, check_ids, batch_major)
     if isinstance(features, Mapping):
         return _padded(
-            coll, params, features, padding_id, weights, check_ids, batch_major
+            coll, layout, params, features, padding_id, weights, check_ids, batch_major
         )
     raise TypeError(
         f"{WHERE}: `features` must be a jaxslices.KeyedJaggedIds or a dict "
@@ -190,12 +203,36 @@ def _check(values, bad, key_of, spec, guard):
     )
 
 
-def _row_ids(values, ok, start, num_rows: int):
-    """Buffer rows: ``id + start`` where ``ok``, else the padding row ``V``."""
-    idx = _ids.index_dtype(num_rows)
-    return jnp.where(
-        ok, values.astype(idx) + start.astype(idx), jnp.asarray(num_rows, idx)
-    )
+def _row_ids(values, ok, spec, key, b, members):
+    """Buffer rows of the ids (``[..., pieces]`` when ``b.pieces > 1``).
+
+    ``key``: each id's key position (broadcast with ``values``); ``members``:
+    the key positions in this buffer. The placement of each id's table gives
+    ``base + (id // chunk) * stride + id % chunk`` (plus ``j * stride`` for
+    piece ``j``); ids that are not ``ok`` go to the padding row.
+    """
+    idx = np.dtype(_ids.index_dtype(b.rows))
+    v = values.astype(idx)
+    base = jnp.asarray(spec.start.astype(idx))[key]
+    stride = jnp.asarray(spec.stride.astype(idx))[key]
+    if np.any(spec.chunk[members] < spec.rows[members]):  # row-wise chunks
+        chunk = jnp.asarray(spec.chunk.astype(idx))[key]
+        q = v // chunk
+        row = base + q * stride + (v - q * chunk)
+    else:
+        row = base + v
+    if b.pieces > 1:  # column-wise: piece j of a row is `stride` rows further
+        row = row[..., None] + stride[..., None] * jnp.arange(b.pieces, dtype=idx)
+        ok = ok[..., None]
+    return jnp.where(ok, row, jnp.asarray(b.rows, idx))
+
+
+def _lookup_rows(table, gids, b):
+    """The one gather of a buffer; ``[..., width]`` rows."""
+    rows = embedding_lookup(table, gids)
+    if b.pieces > 1:
+        rows = rows.reshape(*rows.shape[:-2], b.width)
+    return rows
 
 
 def _bag_scale(combiners, counts, dtype, feature_axis: int):
@@ -220,9 +257,9 @@ def _bag_scale(combiners, counts, dtype, feature_axis: int):
 # ------------------------------------------------------------------- padded
 
 
-def _padded(coll, params, features, padding_id, weights, check_ids, batch_major):
+def _padded(coll, lay, params, features, padding_id, weights, check_ids, batch_major):
     _missing(coll, features)
-    spec = Keys.of(coll, tuple(coll.features))
+    spec = Keys.of(coll, lay, tuple(coll.features))
     arrs = []
     for f in coll.features:
         x = _as_ids(features[f], f"the ids of feature {f!r}")
@@ -280,29 +317,29 @@ def _padded(coll, params, features, padding_id, weights, check_ids, batch_major)
         w = jnp.stack([pad(x.astype(jnp.float32), 0) for x in ws])
     fa = 1 if batch_major else 0  # the feature axis of ids, rows and results
 
-    def layout(x):  # [F_b, B, ...] -> the result's layout
+    def arrange(x):  # [F_b, B, ...] -> the result's layout
         return jnp.swapaxes(x, 0, 1) if batch_major else x
 
     pooled, seqs = {}, {}
-    for b in coll.buffers:
+    for b in lay.buffers:
         pos = spec.pooled_of(b.name)
         seq = spec.sequences_of(b.name)
         if not pos and not seq:
             continue
         sel = np.array(pos + seq)
-        start = spec.start[sel].reshape(-1, 1, 1)
-        gids = _row_ids(layout(ids[sel]), layout(valid[sel]), layout(start), b.rows)
+        key_b = arrange(np.broadcast_to(sel.reshape(-1, 1, 1), (len(sel), 1, 1)))
+        gids = _row_ids(arrange(ids[sel]), arrange(valid[sel]), spec, key_b, b, sel)
         gids = jax.lax.optimization_barrier(gids)
-        rows = embedding_lookup(
-            params[b.name], gids
-        )  # [F_b, B, L, dim] or [B, F_b, ...]
+        rows = _lookup_rows(
+            params[b.name], gids, b
+        )  # [F_b, B, L, width] or [B, F_b, ...]
         n = len(pos)
         if n:
             mine = jax.lax.slice_in_dim(rows, 0, n, axis=fa) if seq else rows
             wts = present[sel[:n]].astype(rows.dtype)
             if w is not None:
                 wts = wts * w[sel[:n]].astype(rows.dtype)
-            wts = layout(wts)
+            wts = arrange(wts)
             total = jnp.sum(mine if w is None else mine * wts[..., None], axis=-2)
             counts = (jnp.sum(wts, axis=-1), jnp.sqrt(jnp.sum(wts * wts, axis=-1)))
             scale = _bag_scale([spec.combiner[i] for i in pos], counts, rows.dtype, fa)
@@ -334,10 +371,10 @@ def _seq_overflow_error(n, key, *, keys, seq_len):
     )
 
 
-def _jagged(coll, params, features, check_ids, batch_major):
+def _jagged(coll, lay, params, features, check_ids, batch_major):
     _missing(coll, features.keys)
     values = _as_ids(features.values, "the ids")
-    spec = Keys.of(coll, features.keys)
+    spec = Keys.of(coll, lay, features.keys)
     F, B, N = len(spec.keys), features.batch_size, features.max_total
     seg = segment_ids(features.offsets, N)  # feature-major bag, F * B: unused
     kid = seg // B  # the slot's key; F for unused slots
@@ -349,15 +386,14 @@ def _jagged(coll, params, features, check_ids, batch_major):
     if features.weights is not None:
         w = jnp.asarray(features.weights)
     pooled, seqs = {}, {}
-    for b in coll.buffers:
+    for b in lay.buffers:
         pos = spec.pooled_of(b.name)
         seq = spec.sequences_of(b.name)
         if not pos and not seq:
             continue
         member = np.array([bn == b.name for bn in spec.buffer])
         ok = valid & jnp.asarray(member)[kid]
-        start = jnp.asarray(spec.start)[kid]
-        gids = _row_ids(values, ok, start, b.rows)
+        gids = _row_ids(values, ok, spec, kid, b, np.array(pos + seq))
         # the pooled features' order: the collection's (not the input's)
         order = [i for f in coll.features for i in pos if spec.keys[i] == f]
         target = np.full(F + 1, -1, np.int64)
@@ -370,7 +406,7 @@ def _jagged(coll, params, features, check_ids, batch_major):
         else:
             out_id = jnp.where(tgt >= 0, tgt * B + bag, n_out)
         gids, out_id = jax.lax.optimization_barrier((gids, out_id))
-        rows = embedding_lookup(params[b.name], gids)
+        rows = _lookup_rows(params[b.name], gids, b)
         if order:
             pooled[b.name] = (
                 [spec.keys[i] for i in order],
@@ -428,6 +464,6 @@ def _sequences(rows, b, spec, features, seq, seg, kid):
         reduce=("sum", "min"),
     )
     target = jnp.where(mine & (pos < lim), seg * L + pos, F * B * L)
-    out = jnp.zeros((F * B * L, b.dim), rows.dtype).at[target].add(rows, mode="drop")
-    out = out.reshape(F, B, L, b.dim)
+    out = jnp.zeros((F * B * L, b.width), rows.dtype).at[target].add(rows, mode="drop")
+    out = out.reshape(F, B, L, b.width)
     return {spec.keys[i]: out[i, :, : spec.seq_len[i]] for i in seq}

@@ -52,7 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _pooling
+from . import _buffers, _pooling
+from ._buffers import Buffer
 from .keyed import KeyedJaggedIds
 
 __all__ = ["TableConfig", "EmbeddingCollection", "Buffer"]
@@ -147,29 +148,6 @@ class TableConfig:
             )
 
 
-@dataclasses.dataclass(frozen=True)
-class Buffer:
-    """Where tables live: one ``[rows, dim]`` buffer of stacked tables.
-
-    ``tables[i]`` occupies rows ``starts[i] : starts[i] + sizes[i]``.
-    """
-
-    name: str
-    dim: int
-    dtype: Any
-    tables: tuple[str, ...]
-    starts: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-    @property
-    def rows(self) -> int:
-        return self.starts[-1] + self.sizes[-1]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.rows, self.dim)
-
-
 class EmbeddingCollection:
     """Named tables stacked by ``(dim, dtype)``; one lookup per buffer.
 
@@ -223,28 +201,8 @@ class EmbeddingCollection:
                 owner[f] = t.name
         self.tables = tables
         self._by_name = {t.name: t for t in tables}
-        groups: dict[tuple[int, Any], list[TableConfig]] = {}
-        for t in tables:
-            groups.setdefault((t.dim, t.dtype), []).append(t)
-        buffers = []
-        for (dim, dtype), ts in groups.items():
-            sizes = tuple(t.rows for t in ts)
-            starts = tuple(int(s) for s in np.cumsum((0,) + sizes[:-1]))
-            buffers.append(
-                Buffer(
-                    f"dim{dim}_{dtype.name}",
-                    dim,
-                    dtype,
-                    tuple(t.name for t in ts),
-                    starts,
-                    sizes,
-                )
-            )
-        self.buffers = tuple(buffers)
-        self._buffer_of = {n: b for b in buffers for n in b.tables}
-        self._start = {
-            n: s for b in buffers for n, s in zip(b.tables, b.starts, strict=True)
-        }
+        self.layout = _buffers.stacked(tables)
+        self.buffers = self.layout.buffers
         self.features = tuple(owner)
         self._table_of_feature = owner
         self._init = jax.jit(self._build)
@@ -282,7 +240,8 @@ class EmbeddingCollection:
     def placement(self, table: str) -> tuple[str, int]:
         """``(buffer name, first row)`` of ``table`` in the params."""
         self.table_config(table)
-        return self._buffer_of[table].name, self._start[table]
+        where = self.layout.placement(table)
+        return where.buffer, where.base
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
@@ -295,14 +254,15 @@ class EmbeddingCollection:
         for b in self.buffers:
             if only is not None and b.name != only:
                 continue
-            parts = []
-            for name in b.tables:
-                t = self._by_name[name]
-                init = t.initializer or uniform_initializer
-                k = jax.random.fold_in(key, _seed_of(name))
-                parts.append(jnp.asarray(init(k, (t.rows, t.dim), t.dtype), t.dtype))
+            parts = [self._init_table(key, name) for name in b.tables]
             out[b.name] = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
         return out
+
+    def _init_table(self, key: jax.Array, name: str) -> jax.Array:
+        t = self._by_name[name]
+        init = t.initializer or uniform_initializer
+        k = jax.random.fold_in(key, _seed_of(name))
+        return jnp.asarray(init(k, (t.rows, t.dim), t.dtype), t.dtype)
 
     def init_buffer(self, key: jax.Array, name: str) -> jax.Array:
         """One buffer of :meth:`init` (``init(key)[name]``), built alone."""
@@ -404,6 +364,7 @@ class EmbeddingCollection:
         self._check_params(params, "EmbeddingCollection")
         pooled, seqs = _pooling.lookup(
             self,
+            self.layout,
             params,
             features,
             padding_id=padding_id,
@@ -453,6 +414,7 @@ class EmbeddingCollection:
         self._check_params(params, "EmbeddingCollection.concat")
         pooled, _ = _pooling.lookup(
             self,
+            self.layout,
             params,
             features,
             padding_id=padding_id,

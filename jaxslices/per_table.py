@@ -4,8 +4,9 @@ An :class:`~jaxslices.EmbeddingCollection` keeps many tables in one buffer,
 so an optimizer sees one parameter where the user thinks of several tables.
 These transforms give each table its own number anyway: the table of a
 gradient row is found from the buffer's static row offsets (a
-``searchsorted`` of the row ids: O(rows in the batch), no per-row array of
-the buffer's size is kept).
+``searchsorted`` of the row ids over the buffer's segments: O(rows in the
+batch), no per-row array of the buffer's size is kept; this also holds for
+the chunked layouts of a sharding plan).
 
 * :func:`scale_by_table`: multiply each table's updates by its factor. Put
   it after an optimizer whose update is linear in its learning rate (``sgd``
@@ -69,16 +70,32 @@ def _key_name(entry: Any) -> Any:
     return None
 
 
-def _table_index(b: Any, indices: jax.Array) -> jax.Array:
-    """The position in ``b.tables`` of each row id (padding: the last table)."""
-    starts = jnp.asarray(np.array(b.starts, np.int64).astype(indices.dtype))
-    t = jnp.searchsorted(starts, indices, side="right") - 1
-    return jnp.clip(t, 0, len(b.tables) - 1)
+def _segments(b: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Segment starts and each segment's table position (``-1``: unused rows)."""
+    tables = b.tables
+    starts = np.array([s for s, _, _ in b.segments], np.int64)
+    owner = np.array([-1 if t is None else tables.index(t) for _, _, t in b.segments])
+    return starts, owner
+
+
+def _per_row(b: Any, per_table: jax.Array, indices: jax.Array) -> jax.Array:
+    """Each row id's table value (0 for unused rows and padding)."""
+    starts, owner = _segments(b)
+    seg = jnp.searchsorted(
+        jnp.asarray(starts.astype(indices.dtype)), indices, side="right"
+    )
+    t = jnp.asarray(owner)[jnp.clip(seg - 1, 0, len(owner) - 1)]
+    vals = jnp.concatenate([per_table, jnp.zeros((1,), per_table.dtype)])
+    return vals[jnp.where(t < 0, len(b.tables), t)]
 
 
 def _dense_rows(b: Any, per_table: jax.Array) -> jax.Array:
     """``[rows]``: each row's table value (the dense path; O(rows) anyway)."""
-    return jnp.repeat(per_table, np.array(b.sizes), total_repeat_length=b.rows)
+    starts, owner = _segments(b)
+    lengths = np.array([n for _, n, _ in b.segments])
+    vals = jnp.concatenate([per_table, jnp.zeros((1,), per_table.dtype)])
+    per_seg = vals[np.where(owner < 0, len(b.tables), owner)]
+    return jnp.repeat(per_seg, lengths, total_repeat_length=b.rows)
 
 
 def _map_buffers(coll: Any, updates: Any, fn: Any, where: str, *others: Any) -> Any:
@@ -163,7 +180,7 @@ def scale_by_table(
                 ]
             )
             if isinstance(g, IndexedSlices):
-                k = f[_table_index(b, g.indices)].astype(g.values.dtype)
+                k = _per_row(b, f, g.indices).astype(g.values.dtype)
                 return _replace_values(g, g.values * k[:, None])
             g = jnp.asarray(g)
             return (g * _dense_rows(b, f)[:, None]).astype(g.dtype)
@@ -229,7 +246,7 @@ def add_decayed_weights_by_table(
             p = jnp.asarray(p)
             if isinstance(g, IndexedSlices):
                 c = coalesce_for_update(g)
-                k = r[_table_index(b, c.indices)].astype(c.values.dtype)
+                k = _per_row(b, r, c.indices).astype(c.values.dtype)
                 new = c.values + k[:, None] * rows(p, c).astype(c.values.dtype)
                 return _replace_values(c, mask_padding(c, new))
             g = jnp.asarray(g)
