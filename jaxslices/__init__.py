@@ -36,6 +36,9 @@ from .jagged import jagged_from_lengths as jagged_from_lengths
 from .jagged import jagged_from_lists as jagged_from_lists
 from .jagged import jagged_from_padded as jagged_from_padded
 from .keyed import KeyedJaggedIds as KeyedJaggedIds
+from .plans import ShardingPlan as ShardingPlan
+from .plans import TablePlan as TablePlan
+from .plans import plan as plan
 from .sharding import shard_rows as shard_rows
 from .sharding import sharded_init as sharded_init
 from .sharding import sharded_lookup as sharded_lookup
@@ -142,5 +145,8 @@ __all__ = [
     "KeyedJaggedIds",
     "TableConfig",
     "per_table",
+    "ShardingPlan",
+    "TablePlan",
+    "plan",
 ]
 __all__ += transforms.__all__  # every transform, re-exported above
