@@ -22,10 +22,13 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import _checkpoint, _moved, transforms
 from . import capacity as capacity
+from . import per_table as per_table
 from . import sharding as sharding
 from ._strict import DenseGradientError as DenseGradientError
 from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
+from .collection import EmbeddingCollection as EmbeddingCollection
+from .collection import TableConfig as TableConfig
 from .embedding import check_ids as check_ids
 from .embedding import embedding_bag as embedding_bag
 from .embedding import embedding_lookup as embedding_lookup
@@ -34,7 +37,11 @@ from .jagged import check_jagged as check_jagged
 from .jagged import jagged_from_lengths as jagged_from_lengths
 from .jagged import jagged_from_lists as jagged_from_lists
 from .jagged import jagged_from_padded as jagged_from_padded
+from .keyed import KeyedJaggedIds as KeyedJaggedIds
 from .max_norm import apply_max_norm as apply_max_norm
+from .plans import ShardingPlan as ShardingPlan
+from .plans import TablePlan as TablePlan
+from .plans import plan as plan
 from .sharding import shard_rows as shard_rows
 from .sharding import sharded_init as sharded_init
 from .sharding import sharded_lookup as sharded_lookup
@@ -141,5 +148,12 @@ __all__ = [
     "sharded_init",
     "sharded_lookup",
     "sharded_update",
+    "EmbeddingCollection",
+    "KeyedJaggedIds",
+    "TableConfig",
+    "per_table",
+    "ShardingPlan",
+    "TablePlan",
+    "plan",
 ]
 __all__ += transforms.__all__  # every transform, re-exported above

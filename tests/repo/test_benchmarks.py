@@ -220,3 +220,28 @@ def test_checks_cost_smoke(bench, tmp_path):
     assert run["hlo"]["sharded_all_to_all"]["all-to-all"] >= 2
     assert all(math.isfinite(v) and v > 0 for v in run["median_ms"].values())
     assert json.loads((tmp_path / "c.json").read_text())["runs"][0]["code"] == "this"
+
+
+def test_dlrm_bench_smoke(bench, tmp_path):
+    """Every JAX path computes the same losses; timings, memory, JSON written.
+    (The TorchRec worker needs torchrec's environment; it is not run here.)"""
+    dlrm_bench = bench("dlrm_bench")
+    report = dlrm_bench.main(
+        batch=16,
+        dim=4,
+        scale=1 / 8192,
+        head="linear",
+        tables=4,
+        steps=1,
+        passes=1,
+        pool=2,
+        check_steps=2,
+        out=str(tmp_path),
+    )
+    assert list(report["paths"]) == list(dlrm_bench.PATHS)
+    for p, row in report["paths"].items():
+        assert row["median_ms"] > 0 and row["cpu_ms"] >= 0 and row["temp_mb"] >= 0
+        assert report["check_max_abs_diff"][p] < 1e-5, report["check_losses"]
+    saved = json.loads((tmp_path / "dlrm_bench_cpu_linear.json").read_text())
+    assert saved["time_over_collection"] == report["time_over_collection"]
+    assert saved["tables"] == 4 and "torchrec" not in saved

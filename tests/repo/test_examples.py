@@ -152,3 +152,27 @@ def test_spearman_matches_definition():
     assert word2vec.spearman(a, np.array([1.0, 1.0, 2.0, 2.0])) == pytest.approx(
         0.894427, rel=1e-5
     )
+
+
+def test_dlrm_tiny(tmp_path):
+    """26 Criteo-shaped tables in one buffer; the loss falls; plot and JSON."""
+    dlrm = importlib.import_module("dlrm")
+    r = dlrm.main(
+        steps=8,
+        batch=64,
+        dim=8,
+        scale=1 / 4096,
+        eval_every=4,
+        eval_batches=1,
+        out=str(tmp_path),
+        progress=False,
+    )
+    assert r["tables"] == 26 and list(r["buffers"]) == ["dim8_float32"]
+    assert r["buffers"]["dim8_float32"] == [r["rows"], 8]
+    losses = [loss for _, loss in r["eval"]]
+    assert all(math.isfinite(x) for x in r["train_losses"] + losses)
+    assert losses[-1] < losses[0]  # it learns (from 0.69, far above the entropy)
+    assert (tmp_path / "dlrm.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "dlrm.json").read_text())["eval"] == [
+        list(e) for e in r["eval"]
+    ]

@@ -9,12 +9,13 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 
 
-def test_there_are_four_notebooks():
+def test_there_are_five_notebooks():
     assert [p.name for p in NOTEBOOKS] == [
         "01_indexed_slices.ipynb",
         "02_movielens.ipynb",
         "03_word2vec.ipynb",
         "04_flax_nnx.ipynb",
+        "05_dlrm.ipynb",
     ]
 
 

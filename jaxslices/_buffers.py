@@ -1,0 +1,111 @@
+"""Where a collection's tables live: buffers, and each table's rows in them.
+
+A :class:`Layout` is static: a tuple of :class:`Buffer` s (``[rows, dim]``
+arrays of one dtype holding several tables) and, per table, a
+:class:`Placement` giving the buffer row of each table row::
+
+    row(i, j) = base + (i // chunk) * stride + i % chunk + j * stride
+
+for table row ``i`` and piece ``j < buffer.pieces``. The collection's own
+layout (:func:`stacked`) puts the tables of one ``(dim, dtype)`` one after
+the other (``chunk = rows``: the row is ``base + i``, one piece). A sharding
+plan (:mod:`jaxslices.plans`) makes others: a row-wise table split in chunks
+of ``chunk`` rows, one per shard region of ``stride`` rows; a column-wise
+table stored as ``pieces`` narrower rows, piece ``j`` in region ``j``.
+
+``Buffer.segments`` cover the buffer's rows in order, each ``(start,
+length, table or None)``: the table a row belongs to (``None``: unused
+rows), which the per-table transforms (:mod:`jaxslices.per_table`) look up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Buffer", "Layout", "Placement", "stacked"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The buffer rows of one table (see the module docstring)."""
+
+    buffer: str
+    base: int
+    chunk: int
+    stride: int = 0
+
+    def rows_of(self, ids: np.ndarray, piece: int = 0) -> np.ndarray:
+        """Buffer rows of table rows ``ids`` (NumPy), for one piece."""
+        ids = np.asarray(ids, np.int64)
+        q = ids // self.chunk
+        return (
+            self.base + q * self.stride + (ids - q * self.chunk) + piece * self.stride
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """One ``[rows, dim]`` array holding tables of one dtype.
+
+    ``pieces > 1``: each table row is stored as ``pieces`` rows of ``dim``
+    (a lookup returns ``pieces * dim`` wide rows). ``sharded``: the rows are
+    split over a mesh axis (a plan's buffer); else replicated.
+    """
+
+    name: str
+    dim: int
+    dtype: Any
+    rows: int
+    segments: tuple[tuple[int, int, str | None], ...]
+    pieces: int = 1
+    sharded: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.dim)
+
+    @property
+    def width(self) -> int:
+        """The width of a looked-up row: ``pieces * dim``."""
+        return self.pieces * self.dim
+
+    @property
+    def tables(self) -> tuple[str, ...]:
+        """The tables in this buffer, in the order of their first segment."""
+        out: list[str] = []
+        for _, _, t in self.segments:
+            if t is not None and t not in out:
+                out.append(t)
+        return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    buffers: tuple[Buffer, ...]
+    placements: tuple[tuple[str, Placement], ...]  # (table, placement), hashable
+
+    def placement(self, table: str) -> Placement:
+        return dict(self.placements)[table]
+
+    def buffer(self, name: str) -> Buffer:
+        return next(b for b in self.buffers if b.name == name)
+
+
+def stacked(tables: Any) -> Layout:
+    """The collection's layout: tables of one ``(dim, dtype)`` one after another."""
+    groups: dict[tuple[int, Any], list[Any]] = {}
+    for t in tables:
+        groups.setdefault((t.dim, t.dtype), []).append(t)
+    buffers, placements = [], []
+    for (dim, dtype), ts in groups.items():
+        name = f"dim{dim}_{dtype.name}"
+        start, segments = 0, []
+        for t in ts:
+            segments.append((start, t.rows, t.name))
+            placements.append((t.name, Placement(name, start, t.rows)))
+            start += t.rows
+        buffers.append(Buffer(name, dim, dtype, start, tuple(segments)))
+    return Layout(tuple(buffers), tuple(placements))

@@ -1,0 +1,469 @@
+"""The lookups of an ``EmbeddingCollection``: one gather per buffer, then pooling.
+
+Two input forms, one rule (:mod:`jaxslices.collection`'s docstring):
+
+* **jagged** (:class:`~jaxslices.KeyedJaggedIds`): every slot's bag comes from
+  the offsets (:func:`_bag_of_slot`), its feature from the bag; pooling is a
+  segment sum of the gathered rows into the bags;
+* **padded** (``{feature: [B, L] ids}``): the ids are stacked to
+  ``[F, B, L]``; pooling is a sum over ``L``, no scatter at all (the fast
+  path for fixed-length features such as Criteo's one id per feature).
+
+Per buffer, every id becomes a buffer row (its table's first row plus the
+id; padding ``V`` when out of its table's range, or not a feature of this
+buffer) and one :func:`jaxslices.embedding_lookup` reads them all, so under
+``value_and_grad`` the buffer's gradient is one ``IndexedSlices``. The row
+ids are materialised once (``optimization_barrier``): XLA:CPU would
+otherwise fuse the index arithmetic into every ``[N, dim]`` consumer and
+redo it per element.
+
+Results per buffer are ``[B, F_b, dim]`` (batch-major) or ``[F_b, B, dim]``
+(feature-major), ``F_b`` the buffer's pooled features in the collection's
+order; sequence features come out as ``[B, L, dim]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _errors, _ids
+from .embedding import embedding_lookup
+from .jagged import segment_ids
+from .keyed import KeyedJaggedIds
+
+WHERE = "EmbeddingCollection"
+
+
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """Static facts per input key, plus one sentinel entry for unused slots."""
+
+    keys: tuple[str, ...]
+    rows: np.ndarray  # table rows (0: not a feature of the collection)
+    buffer: tuple[Any, ...]  # buffer name or None
+    start: np.ndarray  # the table's row 0 in its buffer (placement base)
+    chunk: np.ndarray  # rows per chunk (row-wise plans; else the table's rows)
+    stride: np.ndarray  # rows between chunks / pieces
+    combiner: tuple[Any, ...]
+    seq_len: np.ndarray  # sequence tables: L, else 0
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def of(coll: Any, layout: Any, keys: tuple[str, ...]) -> Keys:
+        rows, buf, start, chunk, stride, comb, seq = [], [], [], [], [], [], []
+        for k in keys:
+            if k in coll._table_of_feature:
+                t = coll.table_config(coll.table_of(k))
+                where = layout.placement(t.name)
+                rows.append(t.rows)
+                buf.append(where.buffer)
+                start.append(where.base)
+                chunk.append(where.chunk)
+                stride.append(where.stride)
+                comb.append(t.combiner)
+                seq.append(t.max_sequence_length or 0)
+            else:
+                rows.append(0)
+                buf.append(None)
+                start.append(0)
+                chunk.append(1)
+                stride.append(0)
+                comb.append("sum")
+                seq.append(0)
+        return Keys(
+            keys,
+            np.array(rows + [0], np.int64),
+            tuple(buf) + (None,),
+            np.array(start + [0], np.int64),
+            np.array(chunk + [1], np.int64),
+            np.array(stride + [0], np.int64),
+            tuple(comb) + ("sum",),
+            np.array(seq + [0], np.int64),
+        )
+
+    def chunked(self, sel: Any) -> bool:
+        """Whether any of the keys ``sel`` has a table split in chunks."""
+        return bool(np.any(self.chunk[sel] < self.rows[sel]))
+
+    def pooled_of(self, buffer: str) -> list[int]:
+        """Positions of the buffer's pooled features among the keys."""
+        return [
+            i
+            for i, (b, c) in enumerate(
+                zip(self.buffer[:-1], self.combiner[:-1], strict=True)
+            )
+            if b == buffer and c is not None
+        ]
+
+    def sequences_of(self, buffer: str) -> list[int]:
+        return [
+            i
+            for i, (b, c) in enumerate(
+                zip(self.buffer[:-1], self.combiner[:-1], strict=True)
+            )
+            if b == buffer and c is None
+        ]
+
+
+def lookup(
+    coll: Any,
+    layout: Any,
+    params: Mapping[str, Any],
+    features: Any,
+    *,
+    padding_id: int | None,
+    weights: Any,
+    check_ids: bool,
+    batch_major: bool,
+) -> tuple[dict[str, tuple[list[str], jax.Array]], dict[str, jax.Array]]:
+    """``({buffer: (its pooled features, pooled array)}, {feature: sequence})``.
+
+    The pooled features of a buffer are in the collection's order.
+    """
+    if isinstance(features, KeyedJaggedIds):
+        if padding_id is not None or weights is not None:
+            raise ValueError(
+                f"{WHERE}: `padding_id` and `weights` are for padded inputs (a "
+                "dict of [B, L] ids); a KeyedJaggedIds has no padding and carries "
+                "its own weights."
+            )
+        return _jagged(coll, layout, params, features, check_ids, batch_major)
+    if isinstance(features, Mapping):
+        return _padded(
+            coll, layout, params, features, padding_id, weights, check_ids, batch_major
+        )
+    raise TypeError(
+        f"{WHERE}: `features` must be a jaxslices.KeyedJaggedIds or a dict "
+        f"{{feature: [B, L] ids}}, got {type(features).__name__}. Build a "
+        "KeyedJaggedIds with KeyedJaggedIds.from_lengths / from_lists."
+    )
+
+
+def _missing(coll: Any, keys: Any) -> None:
+    missing = [f for f in coll.features if f not in keys]
+    if missing:
+        raise ValueError(
+            f"{WHERE}: the input lacks features {missing} (it has {list(keys)})."
+        )
+
+
+def _as_ids(x: Any, what: str) -> jax.Array:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(
+            f"{WHERE}: {what} must be integers, got {x.dtype}. Cast them, e.g. "
+            "`ids.astype(jnp.int32)`."
+        )
+    return x
+
+
+def _valid(values: jax.Array, rows: np.ndarray, key: Any) -> jax.Array:
+    """``0 <= id < rows[key]`` (the id's table), in the ids' own dtype."""
+    info = np.iinfo(values.dtype)
+    big = rows > info.max  # every non-negative id of this dtype is valid
+    lim = jnp.asarray(np.where(big, info.max, rows).astype(values.dtype))[key]
+    ok = values < lim
+    if big.any():
+        ok = ok | jnp.asarray(big)[key]
+    if info.min < 0:
+        ok = ok & (values >= 0)
+    return ok & jnp.asarray(rows > 0)[key]
+
+
+def _bad_ids_error(n, key, lo, hi, *, keys, rows):
+    return ValueError(
+        f"{WHERE}(check_ids=True): {n} {'id is' if n == 1 else 'ids are'} out of "
+        f"range of its table (the first in feature {keys[key]!r}, whose table has "
+        f"{int(rows[key])} rows; the out-of-range ids have min {lo} and max {hi}). "
+        "Out-of-range ids would read zeros and get no gradient; fix the ids, or "
+        "pass check_ids=False to treat them as padding."
+    )
+
+
+def _check(values, bad, key_of, spec, guard):
+    """Raise (also under ``jit``) if any ``bad``; returns ``guard``."""
+    F = len(spec.keys)
+    info = jnp.iinfo(values.dtype)
+    return _errors.raise_if(
+        bad,
+        guard,
+        functools.partial(_bad_ids_error, keys=spec.keys, rows=spec.rows),
+        jnp.sum(bad.astype(jnp.int32)),
+        jnp.min(jnp.where(bad, key_of, F)),
+        jnp.min(jnp.where(bad, values, jnp.array(info.max, values.dtype))),
+        jnp.max(jnp.where(bad, values, jnp.array(info.min, values.dtype))),
+        reduce=("sum", "min", "min", "max"),
+    )
+
+
+def _row_ids(values, ok, spec, key, b, members):
+    """Buffer rows of the ids (``[..., pieces]`` when ``b.pieces > 1``).
+
+    ``key``: each id's key position (broadcast with ``values``); ``members``:
+    the key positions in this buffer. The placement of each id's table gives
+    ``base + (id // chunk) * stride + id % chunk`` (plus ``j * stride`` for
+    piece ``j``); ids that are not ``ok`` go to the padding row.
+    """
+    idx = np.dtype(_ids.index_dtype(b.rows))
+    v = values.astype(idx)
+    base = jnp.asarray(spec.start.astype(idx))[key]
+    stride = jnp.asarray(spec.stride.astype(idx))[key]
+    if np.any(spec.chunk[members] < spec.rows[members]):  # row-wise chunks
+        chunk = jnp.asarray(spec.chunk.astype(idx))[key]
+        q = v // chunk
+        row = base + q * stride + (v - q * chunk)
+    else:
+        row = base + v
+    if b.pieces > 1:  # column-wise: piece j of a row is `stride` rows further
+        row = row[..., None] + stride[..., None] * jnp.arange(b.pieces, dtype=idx)
+        ok = ok[..., None]
+    return jnp.where(ok, row, jnp.asarray(b.rows, idx))
+
+
+def _lookup_rows(table, gids, b):
+    """The one gather of a buffer; ``[..., width]`` rows."""
+    rows = embedding_lookup(table, gids)
+    if b.pieces > 1:
+        rows = rows.reshape(*rows.shape[:-2], b.width)
+    return rows
+
+
+def _bag_scale(combiners, counts, dtype, feature_axis: int):
+    """``1 / sum(w)`` (mean), ``1 / sqrt(sum w^2)`` (sqrtn), 1 (sum); 0 if empty.
+
+    ``counts = (sum w, sqrt(sum w^2))`` per bag, laid out as the pooled result
+    without its last axis; ``combiners`` per feature along ``feature_axis``.
+    ``None`` when every combiner is a sum.
+    """
+    code = np.array([{"mean": 1, "sqrtn": 2}.get(c, 0) for c in combiners], np.int32)
+    if not code.any():
+        return None
+    mean_d, sqrtn_d = counts
+    shape = [1] * mean_d.ndim
+    shape[feature_axis] = len(code)
+    code = jnp.asarray(code.reshape(shape))
+    denom = jnp.where(code == 1, mean_d, jnp.where(code == 2, sqrtn_d, 1)).astype(dtype)
+    safe = jnp.where(denom == 0, jnp.ones((), dtype), denom)
+    return jnp.where(denom == 0, jnp.zeros((), dtype), 1 / safe)[..., None]
+
+
+# ------------------------------------------------------------------- padded
+
+
+def _padded(coll, lay, params, features, padding_id, weights, check_ids, batch_major):
+    _missing(coll, features)
+    spec = Keys.of(coll, lay, tuple(coll.features))
+    arrs = []
+    for f in coll.features:
+        x = _as_ids(features[f], f"the ids of feature {f!r}")
+        if x.ndim != 2:
+            raise ValueError(
+                f"{WHERE}: padded ids must be [B, L] per feature; feature {f!r} has "
+                f"shape {tuple(x.shape)}."
+            )
+        arrs.append(x)
+    batch = {a.shape[0] for a in arrs}
+    if len(batch) != 1:
+        raise ValueError(
+            f"{WHERE}: every feature needs the same batch size, got "
+            f"{ {f: a.shape[0] for f, a in zip(coll.features, arrs, strict=True)} }."
+        )
+    if weights is not None:
+        if not isinstance(weights, Mapping) or set(weights) < set(coll.features):
+            raise ValueError(
+                f"{WHERE}: `weights` must be a dict with every feature "
+                f"{list(coll.features)}, like the ids."
+            )
+        ws = [jnp.asarray(weights[f]) for f in coll.features]
+        for f, a, w in zip(coll.features, arrs, ws, strict=True):
+            if w.shape != a.shape:
+                raise ValueError(
+                    f"{WHERE}: the weights of {f!r} must have the shape of its ids "
+                    f"{tuple(a.shape)}, got {tuple(w.shape)}."
+                )
+    L = max(a.shape[1] for a in arrs)
+    dtype = jnp.result_type(*arrs)
+
+    def pad(a, v):
+        return jnp.pad(a, ((0, 0), (0, L - a.shape[1])), constant_values=v)
+
+    ids = jnp.stack([pad(a.astype(dtype), 0) for a in arrs])  # [F, B, L]
+    # padding ids are absent, and so are the slots added to reach L
+    present = jnp.stack(
+        [
+            pad(
+                jnp.ones(a.shape, bool) if padding_id is None else a != padding_id,
+                False,
+            )
+            for a in arrs
+        ]  # fmt: skip
+    )
+    F = len(arrs)
+    key = np.arange(F).reshape(F, 1, 1)
+    valid = _valid(ids, spec.rows, key)
+    if check_ids:
+        bad = present & ~valid
+        ids = _check(ids, bad, jnp.broadcast_to(jnp.asarray(key), ids.shape), spec, ids)
+    valid = valid & present
+    w = None
+    if weights is not None:
+        w = jnp.stack([pad(x.astype(jnp.float32), 0) for x in ws])
+    fa = 1 if batch_major else 0  # the feature axis of ids, rows and results
+
+    def arrange(x):  # [F_b, B, ...] -> the result's layout
+        return jnp.swapaxes(x, 0, 1) if batch_major else x
+
+    pooled, seqs = {}, {}
+    for b in lay.buffers:
+        pos = spec.pooled_of(b.name)
+        seq = spec.sequences_of(b.name)
+        if not pos and not seq:
+            continue
+        sel = np.array(pos + seq)
+        key_b = arrange(np.broadcast_to(sel.reshape(-1, 1, 1), (len(sel), 1, 1)))
+        gids = _row_ids(arrange(ids[sel]), arrange(valid[sel]), spec, key_b, b, sel)
+        gids = jax.lax.optimization_barrier(gids)
+        rows = _lookup_rows(
+            params[b.name], gids, b
+        )  # [F_b, B, L, width] or [B, F_b, ...]
+        n = len(pos)
+        if n:
+            mine = jax.lax.slice_in_dim(rows, 0, n, axis=fa) if seq else rows
+            wts = present[sel[:n]].astype(rows.dtype)
+            if w is not None:
+                wts = wts * w[sel[:n]].astype(rows.dtype)
+            wts = arrange(wts)
+            total = jnp.sum(mine if w is None else mine * wts[..., None], axis=-2)
+            counts = (jnp.sum(wts, axis=-1), jnp.sqrt(jnp.sum(wts * wts, axis=-1)))
+            scale = _bag_scale([spec.combiner[i] for i in pos], counts, rows.dtype, fa)
+            pooled[b.name] = (
+                [spec.keys[i] for i in pos],
+                total if scale is None else total * scale,
+            )
+        for j, i in enumerate(seq, start=n):
+            Ls = int(spec.seq_len[i])
+            if L > Ls:
+                raise ValueError(
+                    f"{WHERE}: feature {spec.keys[i]!r} has bags of {L} ids, longer "
+                    f"than its table's max_sequence_length {Ls}."
+                )
+            r = jax.lax.index_in_dim(rows, j, axis=fa, keepdims=False)  # [B, L, dim]
+            seqs[spec.keys[i]] = jnp.pad(r, ((0, 0), (0, Ls - L), (0, 0)))
+    return pooled, seqs
+
+
+# ------------------------------------------------------------------- jagged
+
+
+def _seq_overflow_error(n, key, *, keys, seq_len):
+    return ValueError(
+        f"{WHERE}: {n} {'bag is' if n == 1 else 'bags are'} longer than "
+        f"max_sequence_length (the first in feature {keys[key]!r}, L = "
+        f"{int(seq_len[key])}). Raise the table's max_sequence_length or cut "
+        "the bags."
+    )
+
+
+def _jagged(coll, lay, params, features, check_ids, batch_major):
+    _missing(coll, features.keys)
+    values = _as_ids(features.values, "the ids")
+    spec = Keys.of(coll, lay, features.keys)
+    F, B, N = len(spec.keys), features.batch_size, features.max_total
+    seg = segment_ids(features.offsets, N)  # feature-major bag, F * B: unused
+    kid = seg // B  # the slot's key; F for unused slots
+    valid = _valid(values, spec.rows, kid)
+    if check_ids:
+        member = jnp.asarray(spec.rows > 0)[kid]
+        values = _check(values, member & ~valid, kid, spec, values)
+    w = None
+    if features.weights is not None:
+        w = jnp.asarray(features.weights)
+    pooled, seqs = {}, {}
+    for b in lay.buffers:
+        pos = spec.pooled_of(b.name)
+        seq = spec.sequences_of(b.name)
+        if not pos and not seq:
+            continue
+        member = np.array([bn == b.name for bn in spec.buffer])
+        ok = valid & jnp.asarray(member)[kid]
+        gids = _row_ids(values, ok, spec, kid, b, np.array(pos + seq))
+        # the pooled features' order: the collection's (not the input's)
+        order = [i for f in coll.features for i in pos if spec.keys[i] == f]
+        target = np.full(F + 1, -1, np.int64)
+        target[order] = np.arange(len(order))
+        tgt = jnp.asarray(target.astype(np.int32))[kid]  # -1: not pooled here
+        n_out = len(order) * B
+        bag = seg - kid * B  # the example
+        if batch_major:
+            out_id = jnp.where(tgt >= 0, bag * len(order) + tgt, n_out)
+        else:
+            out_id = jnp.where(tgt >= 0, tgt * B + bag, n_out)
+        gids, out_id = jax.lax.optimization_barrier((gids, out_id))
+        rows = _lookup_rows(params[b.name], gids, b)
+        if order:
+            pooled[b.name] = (
+                [spec.keys[i] for i in order],
+                _pool_jagged(
+                    rows, w, out_id, n_out, order, spec, features, batch_major
+                ),
+            )
+        if seq:
+            seqs.update(_sequences(rows, b, spec, features, seq, seg, kid))
+    return pooled, seqs
+
+
+def _pool_jagged(rows, w, out_id, n_out, order, spec, features, batch_major):
+    B = features.batch_size
+    n_f = len(order)
+    contrib = rows if w is None else rows * w.astype(rows.dtype)[:, None]
+    sums = jax.ops.segment_sum(contrib, out_id, num_segments=n_out + 1)[:n_out]
+    shape = (B, n_f) if batch_major else (n_f, B)
+    sums = sums.reshape(*shape, rows.shape[-1])
+    combs = [spec.combiner[i] for i in order]
+    if not any(c in ("mean", "sqrtn") for c in combs):
+        return sums
+    if w is None:
+        lengths = features.lengths.astype(rows.dtype).reshape(len(spec.keys), B)
+        n = lengths[np.array(order)]  # [n_f, B]
+        n = n.T if batch_major else n
+        counts = (n, jnp.sqrt(n))
+    else:
+        wt = w.astype(rows.dtype)
+        s1 = jax.ops.segment_sum(wt, out_id, num_segments=n_out + 1)[:n_out]
+        s2 = jax.ops.segment_sum(wt * wt, out_id, num_segments=n_out + 1)[:n_out]
+        counts = (s1.reshape(shape), jnp.sqrt(s2.reshape(shape)))
+    scale = _bag_scale(combs, counts, rows.dtype, 1 if batch_major else 0)
+    return sums * scale
+
+
+def _sequences(rows, b, spec, features, seq, seg, kid):
+    """``{feature: [B, L, dim]}`` of the sequence features (zeros past a bag)."""
+    F, B, N = len(spec.keys), features.batch_size, features.max_total
+    L = int(max(spec.seq_len[i] for i in seq))
+    is_seq = np.zeros(F + 1, bool)
+    is_seq[seq] = True
+    offsets = jnp.asarray(features.offsets).astype(jnp.int32)
+    slot = jnp.arange(N, dtype=jnp.int32)
+    pos = slot - offsets[jnp.minimum(seg, F * B)]
+    lim = jnp.asarray(spec.seq_len.astype(np.int32))[kid]
+    mine = jnp.asarray(is_seq)[kid]
+    over = mine & (pos >= lim) & (slot < offsets[-1])
+    pos = _errors.raise_if(
+        over,
+        pos,
+        functools.partial(_seq_overflow_error, keys=spec.keys, seq_len=spec.seq_len),
+        jnp.sum(over.astype(jnp.int32)),
+        jnp.min(jnp.where(over, kid, F)),
+        reduce=("sum", "min"),
+    )
+    target = jnp.where(mine & (pos < lim), seg * L + pos, F * B * L)
+    out = jnp.zeros((F * B * L, b.width), rows.dtype).at[target].add(rows, mode="drop")
+    out = out.reshape(F, B, L, b.width)
+    return {spec.keys[i]: out[i, :, : spec.seq_len[i]] for i in seq}
