@@ -35,7 +35,13 @@ same model computed four ways), the largest difference is recorded. Then
 ``--passes`` turns in a shuffled order, each turn one untimed and
 ``--steps`` timed steps of every path in turn (the worker idles on a pipe
 while JAX runs, and JAX idles while the worker runs), on a pool of
-``--pool`` batches. Medians and their ratios come from this one run.
+``--pool`` batches. Medians and their ratios come from this one run, with
+the CPU time (user + system, all threads) per step of each process.
+
+``--keep-freed-memory`` sets glibc's malloc (``mallopt`` here, ``MALLOC_*``
+for the workers) to keep freed memory: glibc serves blocks over 32 MB with
+fresh pages and returns them on free, so a step whose XLA:CPU temporaries
+exceed that pays a page fault per page touched, every step.
 
 Run: ``python benchmarks/dlrm_bench.py --out benchmarks/results/<yyyy-mm>-cpu
 --torchrec-python /path/to/venv-torchrec/bin/python``.
@@ -176,6 +182,29 @@ class JaxPath:
         return float(loss)  # blocks
 
 
+# glibc's malloc serves blocks over 32 MB (its largest mmap threshold) with
+# fresh pages from the kernel and returns them on free: an XLA:CPU step whose
+# temporaries exceed that pays a page fault per page touched, every step.
+# These settings keep freed memory in the process (both sides, same settings).
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 31),
+    "MALLOC_TOP_PAD_": str(1 << 28),
+}
+
+
+def _keep_freed_memory() -> None:
+    """Apply :data:`MALLOC_ENV` to this process (mallopt) and to the workers."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    for param, key in ((-3, "MALLOC_MMAP_THRESHOLD_"), (-1, "MALLOC_TRIM_THRESHOLD_"),
+                       (-2, "MALLOC_TOP_PAD_")):  # fmt: skip
+        if libc.mallopt(param, int(MALLOC_ENV[key])) != 1:
+            raise RuntimeError(f"mallopt refused {key}")
+    os.environ.update(MALLOC_ENV)  # inherited by the TorchRec workers
+
+
 def _cpu_s() -> float:
     """CPU seconds (user + system) of this process, every thread."""
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -245,8 +274,11 @@ def main(
     seed: int = 0,
     out: str | None = None,
     tag: str = "",
+    keep_freed_memory: bool = False,
 ) -> dict:
     a = argparse.Namespace(**locals())
+    if keep_freed_memory:
+        _keep_freed_memory()
     sizes = synth.table_sizes(scale)[:tables]
     data = synth.CriteoSynth(tuple(sizes), batch, max_len, seed=seed)
     load = [os.getloadavg()[0]]
@@ -380,4 +412,9 @@ if __name__ == "__main__":
     p.add_argument("--pool", type=int, default=4)
     p.add_argument("--out", default=None)
     p.add_argument("--tag", default="", help="appended to the JSON's name")
+    p.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="glibc keeps freed memory (mallopt; MALLOC_* for the workers)",
+    )
     main(**{k.replace("-", "_"): v for k, v in vars(p.parse_args()).items()})

@@ -5,7 +5,8 @@ with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``: joins the others
 through ``jax.distributed`` on 127.0.0.1, builds one mesh over every process's
 CPU devices, trains a few data-parallel and row-sharded (all-to-all) steps and
 writes the largest difference to a single-device reference, computed in this
-process on one local device, to ``OUT_JSON``; then runs the steps of
+process on one local device, to ``OUT_JSON`` (also for an embedding
+collection on a sharding plan, ``run_plan``); then runs the steps of
 ``tests/_failure_cases.py`` that fail on one device (a device of process 1)
 and writes what each raised in this process.
 """
@@ -114,6 +115,56 @@ def run(mode: str) -> float:
     )
 
 
+def run_plan() -> float:
+    """A collection on a sharding plan (row-wise, table-wise, data-parallel
+    tables) over every process's devices, against one local device."""
+    mesh = Mesh(np.array(jax.devices()), ("model",))
+    rows = NamedSharding(mesh, P("model"))
+    coll = js.EmbeddingCollection(
+        [
+            js.TableConfig("big", 4000, D),
+            js.TableConfig("mid", 900, D, features=("mid", "mid2"), combiner="mean"),
+            js.TableConfig("small", 20, D),
+        ]
+    )
+    plan = js.ShardingPlan(
+        coll,
+        mesh,
+        "model",
+        {"big": "row_wise", "mid": ("table_wise", 5), "small": "data_parallel"},
+    )
+    rng = np.random.default_rng(1)  # same data in every process
+    emb0 = coll.init(jax.random.key(0))
+    batches = [
+        {f: rng.integers(-1, 300, size=(B, 2)).astype(np.int32) for f in coll.features}
+        for _ in range(2)
+    ]
+    tx = js.rowwise_adagrad(0.3)
+
+    def loss(lookup, emb, ids):
+        return jnp.sum(jnp.tanh(lookup.concat(emb, ids, padding_id=-1)) ** 2)
+
+    def train(lookup, emb, place):
+        state = js.sharded_init(tx, emb) if place else tx.init(emb)
+
+        @jax.jit
+        def step(emb, state, ids):
+            g = js.grad(functools.partial(loss, lookup))(emb, ids)
+            u, state = tx.update(g, state, emb)
+            return js.apply_updates(emb, u), state
+
+        for ids in batches:
+            ids = {f: global_array(x, rows) for f, x in ids.items()} if place else ids
+            emb, state = step(emb, state, ids)
+        return emb
+
+    local = jax.local_devices()[0]
+    expect = train(coll, jax.device_put(emb0, local), False)
+    got = train(plan, plan.shard(emb0), True)
+    got = plan.unshard(multihost_utils.process_allgather(got, tiled=True))
+    return max(float(np.max(np.abs(got[k] - np.asarray(expect[k])))) for k in got)
+
+
 def main(port: str, pid: int, nproc: int, out_path: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
@@ -131,6 +182,7 @@ def main(port: str, pid: int, nproc: int, out_path: str) -> None:
     try:
         for mode in ("data_parallel", "row_sharded_all_to_all"):
             result[mode] = run(mode)
+        result["collection_plan"] = run_plan()
         # Steps that fail on one device (of process 1): every process raises.
         mesh = Mesh(np.array(jax.devices()), ("model",))
         for case in failures.CASES:

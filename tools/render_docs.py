@@ -58,6 +58,19 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "design-typed-cost": ("2026-11-cpu/typed_indices_cost_cpu.json",),
     "design-checks-cost": ("2026-11-cpu/checks_cost_cpu.json",),
     "optimizer-floor": ("2026-11-cpu-floor/optimizer_floor_bench_cpu.json",),
+    "collections-dlrm": (
+        "2026-11-cpu-dlrm/dlrm_bench_cpu.json",
+        "2026-11-cpu-dlrm/dlrm_bench_cpu_run2.json",
+        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear.json",
+        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear_run2.json",
+        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear_freed.json",
+        "2026-11-cpu-dlrm/dlrm_bench_cpu_freed.json",
+    ),
+    "collections-batch": (
+        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear_b128.json",
+        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear_b512.json",
+        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear.json",
+    ),
 }
 
 _BLOCK = re.compile(
@@ -358,6 +371,107 @@ def optimizer_floor() -> str:
     return "\n".join(lines) + "\n"
 
 
+_DLRM_PATHS = {
+    "collection": "collection (`KeyedJaggedIds`)",
+    "collection_padded": "collection (padded ids)",
+    "separate": "26 separate tables",
+    "dense": "dense Optax",
+    "torchrec": "TorchRec/FBGEMM (torch's threads)",
+    "torchrec_1thread": "TorchRec/FBGEMM (1 thread)",
+}
+
+
+def _dlrm_command(d: dict) -> str:
+    s = d["settings"]
+    cmd = f"python benchmarks/dlrm_bench.py --head {s['head']}"
+    if s["batch"] != 2048:
+        cmd += f" --batch {s['batch']}"
+    if s.get("keep_freed_memory"):
+        cmd += " --keep-freed-memory"
+    if any(k.startswith("torchrec") for k in d["paths"]):
+        threads = " ".join(str(t) for t in s["torch_threads"])
+        cmd += f" --torch-threads {threads} --torchrec-python PATH"
+    return cmd
+
+
+def collections_dlrm() -> str:
+    """docs/collections.md: the DLRM step four ways (dlrm_bench.py runs)."""
+    files = SOURCES["collections-dlrm"]
+    runs = [(f, load(f)) for f in files]
+    cols = []
+    for f, d in runs:
+        s = d["settings"]
+        what = "DLRM step" if s["head"] == "dlrm" else "sparse part (linear head)"
+        malloc = ", freed memory kept" if s.get("keep_freed_memory") else ""
+        load_ = d["load_avg_1m"]
+        cols.append(
+            f"{what}{malloc} (`{Path(f).name}`, load {load_['min']:.0f}-"
+            f"{load_['max']:.0f})"
+        )
+    lines = [
+        "Each cell: median wall ms per step / CPU ms per step (user + system, "
+        "all threads of the process); batch 2048, 26 tables, "
+        f"{runs[0][1]['rows']:,} rows x {runs[0][1]['settings']['dim']} "
+        "(row-wise Adagrad on the embeddings, SGD on the MLPs). Columns:",
+        "",
+    ]
+    lines += [f"{i + 1}. {c}" for i, c in enumerate(cols)]
+    lines += ["", "| path | " + " | ".join(str(i + 1) for i in range(len(runs))) + " |"]
+    lines.append("| --- |" + " --- |" * len(runs))
+    for p, label in _DLRM_PATHS.items():
+        cells = []
+        for _, d in runs:
+            m = d["paths"].get(p)
+            cells.append(
+                "-" if m is None else f"{m['median_ms']:.0f} / {m['cpu_ms']:.0f}"
+            )
+        if any(c != "-" for c in cells):
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    d0 = runs[0][1]
+    gap = max(max(v for v in d["check_max_abs_diff"].values()) for _, d in runs)
+    comp = d0["paths"]
+    lines += [
+        "",
+        f"The first {d0['settings']['check_steps']} losses of every path agree "
+        f"within {gap:.1e} (the same model and data, computed six ways). "
+        "Compile time of the DLRM step: collection "
+        f"{comp['collection']['compile_s']:.0f} s, 26 separate tables "
+        f"{comp['separate']['compile_s']:.0f} s; temporary "
+        f"memory (XLA's memory analysis): collection "
+        f"{comp['collection']['temp_mb']:.0f} MB, 26 tables "
+        f"{comp['separate']['temp_mb']:.0f} MB, dense Optax "
+        f"{comp['dense']['temp_mb']:.0f} MB (a table-sized gradient).",
+        "",
+        "Commands (results in `benchmarks/results/2026-11-cpu-dlrm/`):",
+        "",
+    ]
+    lines += sorted({f"    {_dlrm_command(d)}" for _, d in runs})
+    return "\n".join(lines) + "\n"
+
+
+def collections_batch() -> str:
+    """docs/collections.md: collection vs 26 tables as the batch grows."""
+    rows = []
+    for f in SOURCES["collections-batch"]:
+        d = load(f)
+        p = d["paths"]
+        c, s = p["collection"], p["separate"]
+        pad = p.get("collection_padded")
+        rows.append(
+            f"| {d['settings']['batch']} | {c['median_ms']:.1f} / {c['cpu_ms']:.1f} | "
+            + (f"{pad['median_ms']:.1f} / {pad['cpu_ms']:.1f} | " if pad else "- | ")
+            + f"{s['median_ms']:.1f} / {s['cpu_ms']:.1f} | "
+            f"{s['median_ms'] / c['median_ms']:.2f}x | "
+            f"{s['cpu_ms'] / c['cpu_ms']:.2f}x | `{Path(f).name}` |"
+        )
+    head = (
+        "| batch | collection (jagged) ms / CPU ms | collection (padded) | "
+        "26 tables | 26 tables / collection, wall | CPU | file |\n"
+        "| --- | --- | --- | --- | --- | --- | --- |\n"
+    )
+    return head + "\n".join(rows) + "\n"
+
+
 def results_sources() -> str:
     """benchmarks/results/README.md: which run each generated block quotes."""
     lines = ["| block | quoted in | results files |", "| --- | --- | --- |"]
@@ -370,6 +484,8 @@ def results_sources() -> str:
 
 
 BLOCKS: dict[str, Callable[[], str]] = {
+    "collections-dlrm": collections_dlrm,
+    "collections-batch": collections_batch,
     "results-sources": results_sources,
     "design-checks-cost": design_checks_cost,
     "readme-demo": readme_demo,
