@@ -25,6 +25,8 @@ from . import sharding as sharding
 from ._strict import DenseGradientError as DenseGradientError
 from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
+from .donation import TableCopy as TableCopy
+from .donation import table_copies as table_copies
 from .embedding import check_ids as check_ids
 from .embedding import embedding_bag as embedding_bag
 from .embedding import embedding_lookup as embedding_lookup
@@ -107,6 +109,7 @@ __all__ = [
     "DenseGradientError",
     "IndexedSlices",
     "JaggedIds",
+    "TableCopy",
     "check_ids",
     "check_jagged",
     "embedding_bag",
@@ -133,6 +136,7 @@ __all__ = [
     "tree_psum",
     "tree_scale",
     "apply_updates",
+    "table_copies",
     "sharding",
     "shard_rows",
     "sharded_init",
