@@ -29,6 +29,12 @@ Paths, each one jitted step with params and optimizer state donated:
   table marked inside the step (capacity = ids per batch), plain
   ``jax.value_and_grad``, ``native.to_indexed_slices``, then the same
   jaxslices transforms and ``apply_updates`` as ``jaxslices``.
+* ``js_nodonate`` and ``dense_nodonate`` (opt-in, ``--paths``): the
+  ``jaxslices`` and ``dense`` steps jitted *without* donation, what a step
+  costs when the table and its optimizer state must be copied first. Every
+  row records ``copied_bytes``: the table-sized arrays (at least half a
+  table) that :func:`jaxslices.table_copies` finds the compiled step copying
+  whole each step.
 
 Run: ``python benchmarks/step_bench.py --out
 benchmarks/results/<yyyy-mm>-<backend>`` (defaults are
@@ -64,7 +70,8 @@ import jaxslices as js
 
 OPTIMIZERS = ("sgd", "clip_sgd", "adagrad", "adam", "rowwise_adagrad", "ftrl")
 PATHS = ("dense", "jaxslices", "floor", "densify", "js_sort", "native")
-NEEDS_API = {"jaxslices", "densify", "js_sort"}  # paths that use value_and_grad
+NOT_DONATED = ("js_nodonate", "dense_nodonate")  # opt-in: --paths
+NEEDS_API = {"jaxslices", "densify", "js_sort", "js_nodonate"}  # value_and_grad
 LR = {
     "sgd": 0.1,
     "clip_sgd": 0.1,
@@ -300,6 +307,8 @@ MAKERS: dict[str, Callable[[str, Any], tuple[Step, Any]]] = {
     "densify": make_densify,
     "js_sort": make_js_sort,
     "native": make_native,
+    "js_nodonate": make_jaxslices,
+    "dense_nodonate": make_dense,
 }
 
 
@@ -311,13 +320,14 @@ def runs(path: str, opt: str) -> bool:
 
 
 class Runner:
-    """One compiled, donated step and its live params/state; call = one step."""
+    """One compiled step (donated unless ``*_nodonate``) and its live params/state."""
 
     def __init__(self, path: str, opt: str, num_rows: int, dim: int, seed: int, ids, y):
         rss_before = rss_mb()["rss_mb"]
         params = init_params(num_rows, dim, seed)
         step, state = MAKERS[path](opt, params)
-        jitted = jax.jit(step, donate_argnums=(0, 1))
+        donate = () if path in NOT_DONATED else (0, 1)
+        jitted = jax.jit(step, donate_argnums=donate)
         t0 = time.perf_counter()
         compiled = jitted.lower(params, state, ids[0], y).compile()
         compile_s = time.perf_counter() - t0  # trace + lower + compile
@@ -329,6 +339,9 @@ class Runner:
         self.memory["state_bytes"] = sum(
             x.size * x.dtype.itemsize for x in jax.tree.leaves(state)
         )
+        table_bytes = num_rows * dim * 4
+        copies = js.table_copies(compiled, min_bytes=table_bytes // 2)
+        self.memory["copied_bytes"] = sum(c.nbytes for c in copies)
         self.step, self.params, self.state = compiled, params, state
         self.ids, self.y, self.i = ids, y, 0
         self.loss = float("nan")
@@ -471,13 +484,16 @@ def temp_growth(rows: list[dict]) -> list[str]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    present = [p for p in PATHS if any(r["path"] == p for r in rows)]
+    present = [p for p in MAKERS if any(r["path"] == p for r in rows)]
     ratios = [
         ("dense", "jaxslices"),
         ("jaxslices", "floor"),
         ("js_sort", "jaxslices"),
         ("densify", "jaxslices"),
         ("native", "jaxslices"),
+        ("js_nodonate", "jaxslices"),
+        ("js_nodonate", "dense"),
+        ("dense_nodonate", "dense"),
     ]
     ratios = [(a, b) for a, b in ratios if a in present and b in present]
     head = (
@@ -485,6 +501,7 @@ def markdown_table(rows: list[dict]) -> str:
         + [f"{p} ms (min-max)" for p in present]
         + [f"{a} / {b}" for a, b in ratios]
         + ["temp MB " + " / ".join(present), "opt. state MB (jaxslices)"]
+        + ["copied MB " + " / ".join(present)]
     )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for v in sorted({r["num_rows"] for r in rows}):
@@ -512,6 +529,12 @@ def markdown_table(rows: list[dict]) -> str:
             js_row = _get(rows, v, opt, "jaxslices")
             state_mb = None if js_row is None else js_row["state_bytes"] / 2**20
             cells.append("-" if state_mb is None else f"{state_mb:.1f}")
+            cells.append(
+                " / ".join(
+                    "-" if t is None else f"{t['copied_bytes'] / 2**20:.1f}"
+                    for t in temps
+                )
+            )
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -622,6 +645,8 @@ def save_plot(rows: list[dict], path: str, env: dict[str, Any]) -> None:
         "densify": "x:",
         "js_sort": "d-.",
         "native": "v-",
+        "js_nodonate": "s:",
+        "dense_nodonate": "o:",
     }
     for ax, opt in zip(axes, opts, strict=True):
         for p, style in styles.items():
@@ -656,7 +681,9 @@ if __name__ == "__main__":
         "--passes", type=int, default=6, help="round-robin turns (steps x passes timed)"
     )
     p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
-    p.add_argument("--paths", nargs="+", default=list(PATHS))
+    p.add_argument(
+        "--paths", nargs="+", default=list(PATHS), choices=[*PATHS, *NOT_DONATED]
+    )
     p.add_argument("--densify-max-v", type=int, default=131072)
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--out", default=None)

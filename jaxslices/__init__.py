@@ -29,6 +29,8 @@ from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
 from .collection import EmbeddingCollection as EmbeddingCollection
 from .collection import TableConfig as TableConfig
+from .donation import TableCopy as TableCopy
+from .donation import table_copies as table_copies
 from .embedding import check_ids as check_ids
 from .embedding import embedding_bag as embedding_bag
 from .embedding import embedding_lookup as embedding_lookup
@@ -116,6 +118,7 @@ __all__ = [
     "DenseGradientError",
     "IndexedSlices",
     "JaggedIds",
+    "TableCopy",
     "check_ids",
     "check_jagged",
     "embedding_bag",
@@ -143,6 +146,7 @@ __all__ = [
     "tree_scale",
     "apply_updates",
     "capacity",
+    "table_copies",
     "sharding",
     "shard_rows",
     "sharded_init",

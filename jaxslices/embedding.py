@@ -125,8 +125,8 @@ def embedding_lookup(
     optimizer ever touches it); with ``max_norm`` every row read whose norm
     exceeds it is returned renormalised, with PyTorch's (unscaled) gradient.
     PyTorch also renormalises those rows in the table, in place: here that is
-    :func:`jaxslices.apply_max_norm`, a row-sparse scatter to run in the
-    training step before the optimizer's update (see :mod:`jaxslices.max_norm`).
+    :func:`jaxslices.apply_max_norm`, a row-sparse scatter to run first in the
+    training step (see :mod:`jaxslices.max_norm`).
 
     Args:
       table: ``[V, ...]`` array.

@@ -11,6 +11,11 @@ gradient. This module gives an Equinox user the same idioms, sparse:
   / ``eqx.filter_grad`` (differentiate the first argument's inexact arrays,
   ``None`` elsewhere) on top of :func:`jaxslices.value_and_grad`, so the
   table's gradient is an :class:`~jaxslices.IndexedSlices`.
+* :class:`EmbeddingBag`: PyTorch's ``nn.EmbeddingBag`` (bags of ids,
+  padded, jagged or with offsets), sparse like :class:`Embedding`.
+* :func:`multi_transform` / :func:`param_labels`: one optimizer for the
+  tables, another for the rest, without Optax calling a module-shaped label
+  tree.
 * :func:`apply_updates`: ``eqx.apply_updates`` for update trees that hold
   ``IndexedSlices`` (a row scatter-add for those leaves). ``eqx.apply_updates``
   itself maps over the updates tree, so it sees an ``IndexedSlices`` as two
@@ -35,6 +40,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import optax
 
 from . import _frameworks, _leaves, autodiff, updates
 from .slices import IndexedSlices
@@ -45,6 +51,8 @@ __all__ = [
     "filter_value_and_grad",
     "filter_grad",
     "apply_updates",
+    "multi_transform",
+    "param_labels",
 ]
 
 
@@ -127,9 +135,9 @@ class Embedding(eqx.nn.Embedding):
         """This layer with the rows ``ids`` read renormalised in ``weight``.
 
         PyTorch's in-place ``max_norm`` step (:func:`jaxslices.apply_max_norm`),
-        for ids of any shape: a row-sparse scatter. Apply it in the training
-        step before the optimizer's update, e.g. ``model = eqx.tree_at(lambda
-        m: m.emb, model, model.emb.apply_max_norm(ids))``.
+        for ids of any shape: a row-sparse scatter. Apply it first in the
+        training step, before the forward pass, e.g. ``model =
+        eqx.tree_at(lambda m: m.emb, model, model.emb.apply_max_norm(ids))``.
         """
         return _with_weight(self, _EMBED, ids, None)
 
@@ -390,3 +398,118 @@ class EmbeddingCollection(eqx.Module):
 
 
 __all__ += ["EmbeddingCollection"]
+# -- mixing optimizers per parameter group --------------------------------------
+
+_MT = "jaxslices.equinox.multi_transform"
+
+
+def param_labels(
+    model: Any,
+    label: Callable[[Any], Any] | None = None,
+    *,
+    tables: str = "tables",
+    rest: str = "rest",
+) -> Callable[[Any], Any]:
+    """``param_labels`` for ``optax.multi_transform`` on an Equinox model.
+
+    A label tree shaped like an Equinox model is itself an ``eqx.Module``,
+    and a module is callable: ``optax.multi_transform(transforms, labels)``
+    would call it as a label *function* (running the model's ``__call__`` on
+    the params), not read it as a tree. This returns a plain function instead,
+    which Optax calls with the params (or updates) to get the labels.
+
+    By default the ``weight`` of every :class:`Embedding` and
+    :class:`EmbeddingBag` is labelled ``tables`` and every other inexact
+    array ``rest``, so jaxslices transforms can take the tables and stock
+    Optax the rest. ``label(module_or_leaf)`` overrides: it gets each
+    :class:`Embedding` / :class:`EmbeddingBag` and each other leaf and
+    returns a label (a jaxslices layer's label goes to its ``weight``).
+
+    Args:
+      model: the Equinox model (its structure, not its values, is used).
+      label: optional ``layer_or_leaf -> label``.
+      tables: the tables' label (default).
+      rest: every other array's label (default).
+
+    Returns:
+      ``params -> label tree`` (``None`` where the model holds no array).
+
+    Example:
+      >>> import jax, optax, equinox as eqx, jaxslices, jaxslices.equinox as jse
+      >>> emb = jse.Embedding(100, 4, key=jax.random.key(0))
+      >>> labels = jse.param_labels(emb)
+      >>> labels(eqx.filter(emb, eqx.is_inexact_array)).weight
+      'tables'
+      >>> tx = optax.multi_transform(
+      ...     {"tables": jaxslices.adagrad(0.1), "rest": optax.adam(1e-3)}, labels)
+    """
+    layers = (Embedding, EmbeddingBag)
+
+    def label_of(x: Any) -> Any:
+        if isinstance(x, layers):
+            name = tables if label is None else label(x)
+            return eqx.tree_at(
+                lambda m: m.weight, jax.tree.map(lambda _: None, x), name
+            )
+        if eqx.is_inexact_array(x):
+            return rest if label is None else label(x)
+        return None
+
+    is_layer = lambda x: isinstance(x, layers)  # noqa: E731
+    tree = jax.tree.map(label_of, model, is_leaf=is_layer)
+
+    def labels(params: Any) -> Any:
+        del params  # the structure is the model's
+        return tree
+
+    return labels
+
+
+def multi_transform(
+    transforms: Any, param_labels: Any, **kwargs: Any
+) -> optax.GradientTransformationExtraArgs:
+    """``optax.multi_transform`` that refuses an Equinox module as a label tree.
+
+    ``optax.multi_transform`` calls ``param_labels`` when it is callable, and
+    every ``eqx.Module`` is (it defines ``__call__``): a label tree made by
+    mapping over a model (``jax.tree.map(lambda _: "rest", model)``) would be
+    *called* on the params, running the model's ``__call__`` on them, and fail
+    somewhere inside the model with an error about shapes or ``vmap`` sizes,
+    or worse. This raises a ``TypeError`` saying so, with the fix, and
+    otherwise is ``optax.multi_transform`` (same arguments).
+
+    Example:
+      >>> import jax, optax, jaxslices, jaxslices.equinox as jse
+      >>> emb = jse.Embedding(100, 4, key=jax.random.key(0))
+      >>> wrong = jax.tree.map(lambda _: "tables", emb)  # an Embedding again
+      >>> jse.multi_transform({"tables": jaxslices.adagrad(0.1)}, wrong)
+      Traceback (most recent call last):
+      ...
+      TypeError: jaxslices.equinox.multi_transform: `param_labels` is an Equinox ...
+    """
+    if isinstance(param_labels, eqx.Module):
+        raise TypeError(
+            f"{_MT}: `param_labels` is an Equinox module "
+            f"({type(param_labels).__name__}), a label tree shaped like the model. "
+            "Every eqx.Module is callable, so optax.multi_transform would call it "
+            "as a label function, running the model's __call__ on the params, "
+            "instead of reading its labels. Pass a function instead: "
+            "`param_labels=lambda params: labels`, or build it with "
+            "jaxslices.equinox.param_labels(model), which labels the jaxslices "
+            "tables 'tables' and the other arrays 'rest'."
+        )
+    if callable(param_labels):
+        given = param_labels
+
+        def param_labels(params: Any) -> Any:
+            labels = given(params)
+            leaves = jax.tree.leaves(labels)
+            if any(callable(x) for x in leaves):
+                raise TypeError(
+                    f"{_MT}: the labels that `param_labels` returned hold callables "
+                    f"({[x for x in leaves if callable(x)][:3]}); labels must be "
+                    "hashable names such as strings, one per parameter array."
+                )
+            return labels
+
+    return optax.multi_transform(transforms, param_labels, **kwargs)

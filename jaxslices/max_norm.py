@@ -19,11 +19,14 @@ JAX arrays are immutable, so jaxslices splits the two effects:
 * **The table** is renormalised by :func:`apply_max_norm` (PyTorch's
   in-place step: the rows the ids read that exceed ``m`` are scaled, the
   others untouched): a scatter of the touched rows only, in place and
-  O(batch) under donation. Call it on the params with the step's ids before
-  the optimizer's update and a step is PyTorch's step: the same outputs,
-  gradients and new table (``tests/lib/test_padding_max_norm.py`` checks it
-  against a NumPy model of PyTorch's documented behaviour, SGD and weight
-  decay included).
+  O(batch) under donation. Call it on the params with the step's ids first
+  in the step (before the lookups, as PyTorch does; anywhere before the
+  optimizer's update is exact too, but then the lookups need the old table
+  and XLA keeps it with a whole-table copy, which
+  :func:`jaxslices.table_copies` reports) and a step is PyTorch's step: the
+  same outputs, gradients and new table
+  (``tests/lib/test_padding_max_norm.py`` checks it against a NumPy model of
+  PyTorch's documented behaviour, SGD and weight decay included).
 
 Without it the outputs still never exceed ``max_norm``, but the optimizer
 moves the un-renormalised rows, and the table drifts from PyTorch's.
@@ -137,8 +140,8 @@ def apply_max_norm(
     ``torch.embedding_renorm_`` does; every other row is unchanged. Only the
     rows that change are written (a scatter of at most one slot per id): in
     place, O(batch) work, when the table is donated to the jitted step. Apply
-    it with the step's ids before the optimizer's update, and a step is
-    PyTorch's step (see the module docstring).
+    it with the step's ids first in the step, before the lookups, and a step
+    is PyTorch's step (see the module docstring).
 
     Args:
       table: the ``[V, ...]`` table.

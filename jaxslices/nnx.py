@@ -71,7 +71,7 @@ class Embed(nnx.Embed):
     * ``max_norm`` / ``norm_type``: rows read whose norm exceeds ``max_norm``
       are returned renormalised (PyTorch's gradient). PyTorch also rescales
       them in the table, in place: call :meth:`apply_max_norm` with the ids of
-      the step (a row-sparse update) before ``optimizer.update``.
+      the step (a row-sparse update) first in the step, as PyTorch does.
 
     ``strict=True``: raise :class:`jaxslices.DenseGradientError` at trace time
     if the table would get a dense gradient (differentiated by ``nnx.grad``
@@ -147,7 +147,9 @@ class Embed(nnx.Embed):
         Rows whose norm exceeds ``max_norm`` are scaled to it
         (:func:`jaxslices.apply_max_norm`); only those rows are written (in
         place under ``nnx.jit`` with the model donated). Call it once per step
-        with the step's ids, before ``optimizer.update``.
+        with the step's ids, first (before the forward pass, as PyTorch does:
+        later it is still exact, but the lookups then need the old table and
+        XLA copies it, see :func:`jaxslices.table_copies`).
         """
         self.embedding.set_value(
             _frameworks.renormed(self, self.embedding.get_value(), inputs, None, _EMBED)

@@ -71,6 +71,10 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "2026-11-cpu-dlrm/dlrm_bench_cpu_linear_b512.json",
         "2026-11-cpu-dlrm/dlrm_bench_cpu_linear.json",
     ),
+    "donation": (
+        "2026-11-cpu-donation/step_bench_cpu.json",
+        "2026-11-cpu-donation-rerun/step_bench_cpu.json",
+    ),
 }
 
 _BLOCK = re.compile(
@@ -470,6 +474,53 @@ def collections_batch() -> str:
         "| --- | --- | --- | --- | --- | --- | --- |\n"
     )
     return head + "\n".join(rows) + "\n"
+def donation() -> str:
+    """docs/sparse_gradients.md: step times with and without donation (step_bench)."""
+    paths = ("jaxslices", "js_nodonate", "dense", "dense_nodonate")
+    head = [
+        "run",
+        "optimizer",
+        "V",
+        "jaxslices, donated",
+        "jaxslices, not donated",
+        "dense Optax, donated",
+        "dense Optax, not donated",
+        "copied per step, not donated",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    summary = []
+    for run, name in enumerate(SOURCES["donation"], 1):
+        rep = load(name)
+        rows = rep["rows"]
+        vs = sorted({r["num_rows"] for r in rows})
+        for opt in ("sgd", "adam"):
+            for v in vs:
+                ms = [_median_ms(rows, v, opt, p) for p in paths]
+                copied = next(
+                    r["copied_bytes"]
+                    for r in rows
+                    if (r["num_rows"], r["optimizer"], r["path"])
+                    == (v, opt, "js_nodonate")
+                )
+                cells = [str(run), opt, _rows_label(v)]
+                cells += [f"{m:.2f} ms" for m in ms]
+                cells.append(f"{copied / 2**20:.0f} MB")
+                lines.append("| " + " | ".join(cells) + " |")
+        big = vs[-1]
+        ms = {p: _median_ms(rows, big, "sgd", p) for p in paths}
+        summary.append(
+            f"run {run} (`{name}`, load average {rep['load_avg_1m']:.1f} at the "
+            "start): "
+            f"{ms['js_nodonate'] / ms['jaxslices']:.0f}x slower without donation, "
+            f"{ms['js_nodonate'] / ms['dense']:.2f}x the donated dense step"
+        )
+    return (
+        "\n".join(lines)
+        + f"\n\nSGD at V = {_rows_label(big)}, jaxslices not donated vs donated: "
+        + "; ".join(summary)
+        + ". Medians of 60 steps on 2 shared CPU cores (JAX "
+        + f"{rep['jax']}), the paths of one configuration interleaved.\n"
+    )
 
 
 def results_sources() -> str:
@@ -495,6 +546,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "readme-benchmarks": readme_benchmarks,
     "design-coalesce": design_coalesce,
     "optimizer-floor": optimizer_floor,
+    "donation": donation,
 }
 
 

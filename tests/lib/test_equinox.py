@@ -247,3 +247,53 @@ def test_jitted_training_equals_the_stock_layer_with_optax(sparse_tx, dense_tx):
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+# ------------------------------------------------- optimizers per parameter group
+
+
+def test_multi_transform_refuses_a_module_shaped_label_tree():
+    class Model(eqx.Module):
+        emb: jse.Embedding
+        out: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.emb = jse.Embedding(20, 3, key=k1)
+            self.out = eqx.nn.Linear(3, 1, key=k2)
+
+        def __call__(self, ids):
+            return self.out(jax.vmap(self.emb)(ids).mean(0))
+
+    model = Model(jax.random.key(0))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    wrong = jax.tree.map(lambda _: "rest", params)  # a Model again: callable
+    assert isinstance(wrong, eqx.Module) and callable(wrong)
+    txs = {"tables": js.adagrad(0.1), "rest": optax.adam(1e-3)}
+    with pytest.raises(
+        TypeError, match=r"`param_labels` is an Equinox module \(Model\)"
+    ):
+        jse.multi_transform(txs, wrong)
+    # What stock Optax does with it: calls it, i.e. runs Model.__call__ on params.
+    with pytest.raises(Exception) as stock:
+        optax.multi_transform(txs, wrong).init(params)
+    assert "param_labels" not in str(stock.value)  # an error from inside the model
+    with pytest.raises(TypeError, match="labels that `param_labels` returned hold"):
+        jse.multi_transform(txs, lambda p: jax.tree.map(lambda _: print, p)).init(
+            params
+        )
+
+    labels = jse.param_labels(model)
+    tree = labels(params)
+    assert tree.emb.weight == "tables" and tree.out.weight == tree.out.bias == "rest"
+    custom = jse.param_labels(model, lambda x: "tables" if x is model.emb else "head")
+    assert custom(params).out.weight == "head"
+    tx = jse.multi_transform(txs, labels)
+    state = tx.init(params)
+    ids = jnp.array([[1, 1, 4]])
+    grads = jse.filter_grad(lambda m: jnp.sum(jax.vmap(m)(ids) ** 2), strict=True)(
+        model
+    )
+    updates, _ = tx.update(grads, state, params)
+    assert isinstance(updates.emb.weight, js.IndexedSlices)  # adagrad: still sparse
+    assert isinstance(updates.out.weight, jax.Array)

@@ -114,6 +114,30 @@ def test_optimizer_floor_bench_goals(bench):
     assert "2.10x" in ofb.markdown(summary, ["new", "old"])
 
 
+def test_step_bench_donation_smoke(bench):
+    """The opt-in paths without donation, and what table_copies finds."""
+    step_bench = bench("step_bench")
+    paths = ("dense", "jaxslices", "js_nodonate", "dense_nodonate")
+    report = step_bench.main(
+        num_rows=(256,),
+        batch=8,
+        bag=4,
+        num_batches=2,
+        steps=2,
+        passes=1,
+        optimizers=("sgd",),
+        paths=paths,
+        plot=False,
+    )
+    rows = {r["path"]: r for r in report["rows"]}
+    assert list(rows) == list(paths)
+    assert rows["jaxslices"]["copied_bytes"] == 0
+    assert rows["js_nodonate"]["copied_bytes"] >= 256 * 64 * 4  # the table
+    assert rows["dense_nodonate"]["alias_bytes"] == 0
+    assert "js_nodonate / jaxslices" in report["table"]
+    assert "copied MB" in report["table"]
+
+
 def test_step_bench_flags_temp_growth(bench):
     step_bench = bench("step_bench")
     rows = [

@@ -43,6 +43,31 @@ def test_checkpoint_resumes_bit_for_bit(tmp_path):
     assert out["equinox_multisteps"]["buffer_slots_filled_at_save"] == 2 * 8 * 4
 
 
+def test_equinox_optimizers_per_parameter_group():
+    """optax.multi_transform with jaxslices.adagrad for the tables and Adam for the
+    rest, labels from jaxslices.equinox.param_labels: equal to the dense run."""
+    out = importlib.import_module("equinox_optimizers").main(
+        steps=6, batch=8, num_items=300, dim=4
+    )
+    assert out["sparse_vs_dense_max_diff"] < 1e-5, out
+    assert out["untouched_rows_unchanged"]
+    assert out["first_batch_loss_after"] < out["first_loss"], out
+
+
+def test_pytorch_port(tmp_path):
+    """docs/embeddings.md as a user follows it: an NNX EmbedBag model (strict,
+    jagged input, padding_idx, max_norm), donated, checkpointed and resumed."""
+    out = importlib.import_module("pytorch_port").main(
+        steps=16, batch=16, vocab=2000, directory=str(tmp_path)
+    )
+    assert out["table_copies"] == [], out  # donated: updated in place
+    assert out["resumed_vs_uninterrupted"] == 0.0, out
+    assert out["padding_row_max_abs"] == 0.0  # padding_idx: never trained
+    assert out["last_rows_max_norm"] < 1.1  # max_norm 1 in the table, then a step
+    assert out["last_loss"] < out["first_loss"]
+    assert out["test_accuracy"] > 0.5  # 4 classes: chance is 0.25
+
+
 def test_quickstart():
     out = importlib.import_module("quickstart").main()
     assert (

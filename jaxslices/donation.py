@@ -1,0 +1,167 @@
+"""Does a compiled training step copy its tables? :func:`table_copies` says.
+
+A sparse step writes a few rows of each table in place, but only when the
+table's buffer is *donated* to the jitted step (``jax.jit(step,
+donate_argnums=...)``, ``nnx.jit(..., donate_argnums=...)``,
+``eqx.filter_jit(donate=...)``). Without donation the step's output cannot
+reuse the input's buffer, so XLA first copies the whole table (and every
+table-sized optimizer state), and the step costs about what a dense step
+costs. Nothing in the results shows it: the numbers are right, only slow.
+
+:func:`table_copies` reads the compiled step (``compiled.as_text()``, the HLO
+after XLA's optimisations) and lists every argument that the step copies whole
+(a ``copy`` of an entry parameter), with its size and whether it was donated:
+
+* not donated: donate it;
+* donated and still copied: the step reads the table after writing it (or
+  returns it twice), so XLA keeps the old buffer alive; see
+  ``docs/sparse_gradients.md`` ("Memory").
+
+Complement: ``compiled.memory_analysis()`` gives ``alias_size_in_bytes``,
+the output bytes written in place into donated inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, NamedTuple
+
+import jax
+
+__all__ = ["TableCopy", "table_copies"]
+
+
+class TableCopy(NamedTuple):
+    """One argument that a compiled step copies whole.
+
+    Attributes:
+      argument: the argument's name in the compiled step (JAX's, e.g.
+        ``params['emb']``), or ``parameter <k>`` when it has none.
+      shape: its shape.
+      dtype: its element type in XLA's spelling (``f32``, ``bf16``, ``s32``).
+      nbytes: the bytes copied per step.
+      donated: whether the argument was donated.
+    """
+
+    argument: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    donated: bool
+
+
+_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+    "c128": 16,
+}  # fmt: skip
+_TYPE = r"(?P<dtype>\w+)\[(?P<dims>[\d,]*)\]"
+_PARAM = re.compile(
+    rf"%(?P<name>\S+) = {_TYPE}\S* parameter\((?P<k>\d+)\)"
+    r"(?:.*op_name=\"(?P<op>(?:[^\"\\]|\\.)*)\")?"
+)
+_COPY = re.compile(rf"= {_TYPE}\S* copy(?:-start)?\(%(?P<src>[^\s,)]+)")
+
+
+def _entry(text: str) -> list[str]:
+    """The lines of the HLO module's entry computation."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("ENTRY"):
+            body = []
+            for inner in lines[i + 1 :]:
+                if inner.startswith("}"):
+                    break
+                body.append(inner.strip())
+            return body
+    return []
+
+
+def table_copies(compiled: Any, *, min_bytes: int = 1 << 20) -> list[TableCopy]:
+    """The arguments of a compiled step that it copies whole, each step.
+
+    Read from the compiled HLO: a ``copy`` of an entry parameter of at least
+    ``min_bytes`` bytes (smaller copies cost little). An empty list means the
+    step updates its tables in place.
+
+    Args:
+      compiled: ``jax.jit(step, donate_argnums=...).lower(*args).compile()``
+        (a ``jax.stages.Compiled``; a ``Lowered`` is compiled here), or the
+        same from ``nnx.jit`` or ``eqx.filter_jit``.
+      min_bytes: the smallest copy reported.
+
+    Returns:
+      One :class:`TableCopy` per copied argument, largest first.
+
+    Example:
+      >>> import functools, jax, jax.numpy as jnp, jaxslices
+      >>> def step(table, ids):
+      ...     return jaxslices.scatter_add(table, jaxslices.IndexedSlices(
+      ...         jnp.ones((2, 8)), ids, table.shape))
+      >>> table, ids = jnp.zeros((100_000, 8)), jnp.array([3, 7])
+      >>> copied = jax.jit(step).lower(table, ids).compile()
+      >>> jaxslices.table_copies(copied)  # doctest: +NORMALIZE_WHITESPACE
+      [TableCopy(argument='table', shape=(100000, 8), dtype='f32',
+                 nbytes=3200000, donated=False)]
+      >>> donated = jax.jit(step, donate_argnums=0).lower(table, ids).compile()
+      >>> jaxslices.table_copies(donated)
+      []
+    """
+    compiled = _unwrap(compiled)
+    body = _entry(compiled.as_text() or "")
+    params = {}
+    for line in body:
+        m = _PARAM.match(line)
+        if m:
+            params[m["name"]] = m
+    infos = jax.tree.leaves(getattr(compiled, "args_info", ()))
+    out, seen = [], set()
+    for line in body:
+        c = _COPY.search(line)
+        if c is None or c["src"] not in params or c["src"] in seen:
+            continue
+        p = params[c["src"]]
+        shape = tuple(int(d) for d in p["dims"].split(",") if d)
+        nbytes = math.prod(shape) * _BYTES.get(p["dtype"], 4)
+        if nbytes < min_bytes:
+            continue
+        seen.add(c["src"])
+        k = int(p["k"])
+        name = (p["op"] or "").replace("\\'", "'") or f"parameter {k}"
+        donated = _donated(infos, k, shape)
+        out.append(TableCopy(name, shape, p["dtype"], nbytes, donated))
+    return sorted(out, key=lambda t: -t.nbytes)
+
+
+def _unwrap(obj: Any) -> jax.stages.Compiled:
+    """JAX's ``Compiled`` from it, a ``Lowered``, or Flax's / Equinox's wrapper."""
+    given = obj
+    for _ in range(4):
+        if isinstance(obj, jax.stages.Compiled):
+            return obj
+        if isinstance(obj, jax.stages.Lowered):
+            obj = obj.compile()
+            continue
+        inner = getattr(obj, "compiled", None)  # nnx.jit's and eqx.filter_jit's
+        if inner is None or callable(inner) and not hasattr(inner, "as_text"):
+            break
+        obj = inner
+    raise TypeError(
+        "table_copies: expected a compiled step, `jax.jit(step, "
+        "donate_argnums=...).lower(*args).compile()` (or nnx.jit's, "
+        f"eqx.filter_jit's), got {type(given).__name__}."
+    )
+
+
+def _donated(infos: list[Any], k: int, shape: tuple[int, ...]) -> bool:
+    """Whether entry parameter ``k`` (of ``shape``) was donated.
+
+    JAX passes the arguments' leaves in order, dropping unused ones only
+    with ``keep_unused=False``: parameter ``k`` is leaf ``k`` when the shapes
+    agree, else the donated flag of the leaves of that shape decides.
+    """
+    if k < len(infos) and tuple(infos[k].shape) == shape:
+        return bool(infos[k].donated)
+    same = [i for i in infos if tuple(i.shape) == shape]
+    return bool(same) and all(i.donated for i in same)
