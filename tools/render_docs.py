@@ -336,6 +336,12 @@ def optimizer_floor() -> str:
     big = str(max(d["summary"]["vs"]))
     run = d["runs"][labels[0]][0]
     k, lo, hi = run["max_distinct"], run["min_distinct_seen"], run["max_distinct_seen"]
+    spread = max(
+        max(v) / min(v)
+        for row in d["summary"]["rows"]
+        for key, v in row.items()
+        if key.endswith("/each") and all(x is not None for x in v)
+    )
     lines = [
         f"Measured on {env['nproc']} shared CPU cores ({env['cpu']}), jax "
         f"{env['jax']}, `benchmarks/results/{name}`: {d['repeats']} runs of each "
@@ -343,8 +349,8 @@ def optimizer_floor() -> str:
         f"average (1 min) {min(loads):.1f} to {max(loads):.1f} during the runs. "
         "Each cell is the median over the runs of (median step time / the "
         "floor's SGD step time), both measured in one process; each run's "
-        "ratio is in the JSON (`summary`), and on this shared machine they "
-        "differ by up to a factor of two between runs. "
+        f"ratio is in the JSON (`summary`): on this shared machine the runs of "
+        f"one cell differ by up to {spread:.1f}x. "
         f"`max_distinct` at V = {_rows_label(int(big))}: {k[big]} "
         f"(`estimate_max_distinct` over the workload's {d['workload']['num_batches']}"
         f" batches, which touch {lo[big]} to {hi[big]} distinct rows of "
