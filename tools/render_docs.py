@@ -353,13 +353,21 @@ def optimizer_floor() -> str:
     big = str(max(d["summary"]["vs"]))
     run = d["runs"][labels[0]][0]
     k, lo, hi = run["max_distinct"], run["min_distinct_seen"], run["max_distinct_seen"]
+    spread = max(
+        max(v) / min(v)
+        for row in d["summary"]["rows"]
+        for key, v in row.items()
+        if key.endswith("/each") and all(x is not None for x in v)
+    )
     lines = [
         f"Measured on {env['nproc']} shared CPU cores ({env['cpu']}), jax "
         f"{env['jax']}, `benchmarks/results/{name}`: {d['repeats']} runs of each "
         f"code tree ({', '.join(f'`{x}`' for x in labels)}), turn about; load "
         f"average (1 min) {min(loads):.1f} to {max(loads):.1f} during the runs. "
         "Each cell is the median over the runs of (median step time / the "
-        "floor's SGD step time), both measured in one process. "
+        "floor's SGD step time), both measured in one process; each run's "
+        f"ratio is in the JSON (`summary`): on this shared machine the runs of "
+        f"one cell differ by up to {spread:.1f}x. "
         f"`max_distinct` at V = {_rows_label(int(big))}: {k[big]} "
         f"(`estimate_max_distinct` over the workload's {d['workload']['num_batches']}"
         f" batches, which touch {lo[big]} to {hi[big]} distinct rows of "
@@ -474,6 +482,8 @@ def collections_batch() -> str:
         "| --- | --- | --- | --- | --- | --- | --- |\n"
     )
     return head + "\n".join(rows) + "\n"
+
+
 def donation() -> str:
     """docs/sparse_gradients.md: step times with and without donation (step_bench)."""
     paths = ("jaxslices", "js_nodonate", "dense", "dense_nodonate")
