@@ -38,10 +38,11 @@ while JAX runs, and JAX idles while the worker runs), on a pool of
 ``--pool`` batches. Medians and their ratios come from this one run, with
 the CPU time (user + system, all threads) per step of each process.
 
-``--keep-freed-memory`` sets glibc's malloc (``mallopt`` here, ``MALLOC_*``
-for the workers) to keep freed memory: glibc serves blocks over 32 MB with
-fresh pages and returns them on free, so a step whose XLA:CPU temporaries
-exceed that pays a page fault per page touched, every step.
+``--keep-freed-memory`` restarts the script with glibc's malloc set to keep
+freed memory (:data:`MALLOC_ENV`: one arena, no trimming, no mmap below
+1 GB; the workers inherit it): glibc serves large blocks with fresh pages and
+returns them on free, so a step whose XLA:CPU temporaries are large pays a
+page fault per page touched, every step.
 
 Run: ``python benchmarks/dlrm_bench.py --out benchmarks/results/<yyyy-mm>-cpu
 --torchrec-python /path/to/venv-torchrec/bin/python``.
@@ -182,27 +183,28 @@ class JaxPath:
         return float(loss)  # blocks
 
 
-# glibc's malloc serves blocks over 32 MB (its largest mmap threshold) with
-# fresh pages from the kernel and returns them on free: an XLA:CPU step whose
-# temporaries exceed that pays a page fault per page touched, every step.
-# These settings keep freed memory in the process (both sides, same settings).
+# glibc's malloc serves blocks over 32 MB (its largest mmap threshold), and
+# blocks too large for a thread arena's heap, with fresh pages from the kernel
+# and returns them on free: an XLA:CPU step whose temporaries exceed that pays
+# a page fault per page touched, every step. These settings (one arena, no
+# trimming) keep freed memory in the process; both sides run with them.
 MALLOC_ENV = {
+    "MALLOC_ARENA_MAX": "1",
     "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 31),
     "MALLOC_TOP_PAD_": str(1 << 28),
 }
 
 
-def _keep_freed_memory() -> None:
-    """Apply :data:`MALLOC_ENV` to this process (mallopt) and to the workers."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    for param, key in ((-3, "MALLOC_MMAP_THRESHOLD_"), (-1, "MALLOC_TRIM_THRESHOLD_"),
-                       (-2, "MALLOC_TOP_PAD_")):  # fmt: skip
-        if libc.mallopt(param, int(MALLOC_ENV[key])) != 1:
-            raise RuntimeError(f"mallopt refused {key}")
-    os.environ.update(MALLOC_ENV)  # inherited by the TorchRec workers
+def _check_malloc_env() -> None:
+    """``--keep-freed-memory`` needs :data:`MALLOC_ENV` from the process start."""
+    wrong = {k: v for k, v in MALLOC_ENV.items() if os.environ.get(k) != v}
+    if wrong:
+        raise RuntimeError(
+            "keep_freed_memory=True: start Python with these environment "
+            f"variables (glibc reads them at start-up): {wrong}. The command line "
+            "option restarts the script with them."
+        )
 
 
 def _cpu_s() -> float:
@@ -278,7 +280,7 @@ def main(
 ) -> dict:
     a = argparse.Namespace(**locals())
     if keep_freed_memory:
-        _keep_freed_memory()
+        _check_malloc_env()  # the TorchRec workers inherit the environment
     sizes = synth.table_sizes(scale)[:tables]
     data = synth.CriteoSynth(tuple(sizes), batch, max_len, seed=seed)
     load = [os.getloadavg()[0]]
@@ -415,6 +417,13 @@ if __name__ == "__main__":
     p.add_argument(
         "--keep-freed-memory",
         action="store_true",
-        help="glibc keeps freed memory (mallopt; MALLOC_* for the workers)",
+        help="restart with MALLOC_ENV: glibc keeps freed memory (both sides)",
     )
-    main(**{k.replace("-", "_"): v for k, v in vars(p.parse_args()).items()})
+    args = vars(p.parse_args())
+    if args["keep_freed_memory"] and any(
+        os.environ.get(k) != v for k, v in MALLOC_ENV.items()
+    ):  # glibc reads them at start-up: run again with them
+        os.execve(
+            sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV}
+        )
+    main(**{k.replace("-", "_"): v for k, v in args.items()})

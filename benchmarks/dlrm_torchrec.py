@@ -16,7 +16,9 @@ stdin with the K step times (seconds) and the CPU milliseconds per step
 of the last K - 1, as one JSON line. Alone it prints its
 median step time.
 
-See ``docs/collections.md`` for the install that works on CPU.
+The install that works on CPU (torch 2.13.0, torchrec 1.8.0, the CPU build
+fbgemm-gpu-cpu 1.8.0 in place of the CUDA fbgemm-gpu torchrec pulls) is in
+``docs/collections.md``.
 """
 
 from __future__ import annotations

@@ -2,17 +2,19 @@
 
 Two input forms, one rule (:mod:`jaxslices.collection`'s docstring):
 
-* **jagged** (:class:`~jaxslices.KeyedJaggedIds`): every slot's bag comes from
-  the offsets (:func:`_bag_of_slot`), its feature from the bag; pooling is a
-  segment sum of the gathered rows into the bags;
+* **jagged** (:class:`~jaxslices.KeyedJaggedIds`): every slot's bag comes
+  from the offsets (:func:`jaxslices.jagged.segment_ids`), its feature from
+  the bag; pooling is a segment sum of the gathered rows into the bags;
 * **padded** (``{feature: [B, L] ids}``): the ids are stacked to
   ``[F, B, L]``; pooling is a sum over ``L``, no scatter at all (the fast
   path for fixed-length features such as Criteo's one id per feature).
 
-Per buffer, every id becomes a buffer row (its table's first row plus the
-id; padding ``V`` when out of its table's range, or not a feature of this
-buffer) and one :func:`jaxslices.embedding_lookup` reads them all, so under
-``value_and_grad`` the buffer's gradient is one ``IndexedSlices``. The row
+Per buffer, every id becomes a buffer row (by its table's
+:class:`~jaxslices._buffers.Placement`: the table's first row plus the id
+on one device; padding ``V`` when out of its table's range, or not a
+feature of this buffer) and one :func:`jaxslices.embedding_lookup` reads
+them all, so under ``value_and_grad`` the buffer's gradient is one
+``IndexedSlices``. The row
 ids are materialised once (``optimization_barrier``): XLA:CPU would
 otherwise fuse the index arithmetic into every ``[N, dim]`` consumer and
 redo it per element.
@@ -87,10 +89,6 @@ class Keys:
             tuple(comb) + ("sum",),
             np.array(seq + [0], np.int64),
         )
-
-    def chunked(self, sel: Any) -> bool:
-        """Whether any of the keys ``sel`` has a table split in chunks."""
-        return bool(np.any(self.chunk[sel] < self.rows[sel]))
 
     def pooled_of(self, buffer: str) -> list[int]:
         """Positions of the buffer's pooled features among the keys."""

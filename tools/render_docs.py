@@ -63,8 +63,10 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "2026-11-cpu-dlrm/dlrm_bench_cpu_run2.json",
         "2026-11-cpu-dlrm/dlrm_bench_cpu_linear.json",
         "2026-11-cpu-dlrm/dlrm_bench_cpu_linear_run2.json",
-        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear_freed.json",
         "2026-11-cpu-dlrm/dlrm_bench_cpu_freed.json",
+        "2026-11-cpu-dlrm/dlrm_bench_cpu_freed_run2.json",
+        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear_freed.json",
+        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear_freed_run2.json",
     ),
     "collections-batch": (
         "2026-11-cpu-dlrm/dlrm_bench_cpu_linear_b128.json",
@@ -398,11 +400,15 @@ def _dlrm_command(d: dict) -> str:
     cmd = f"python benchmarks/dlrm_bench.py --head {s['head']}"
     if s["batch"] != 2048:
         cmd += f" --batch {s['batch']}"
+    if list(s["paths"]) != ["collection", "collection_padded", "separate", "dense"]:
+        cmd += " --paths " + " ".join(s["paths"])
     if s.get("keep_freed_memory"):
         cmd += " --keep-freed-memory"
     if any(k.startswith("torchrec") for k in d["paths"]):
         threads = " ".join(str(t) for t in s["torch_threads"])
         cmd += f" --torch-threads {threads} --torchrec-python PATH"
+    if s.get("tag"):
+        cmd += f" --tag {s['tag']}"
     return cmd
 
 
@@ -454,10 +460,33 @@ def collections_dlrm() -> str:
         f"{comp['separate']['temp_mb']:.0f} MB, dense Optax "
         f"{comp['dense']['temp_mb']:.0f} MB (a table-sized gradient).",
         "",
+        "Ratios of CPU time per step, collection (jagged) over the others:",
+        "",
+    ]
+    groups: dict[tuple, list[dict]] = {}
+    for _, d in runs:
+        s_ = d["settings"]
+        groups.setdefault((s_["head"], bool(s_.get("keep_freed_memory"))), []).append(d)
+    for (head, freed), ds in groups.items():
+        what = "DLRM step" if head == "dlrm" else "sparse part"
+        what += ", freed memory kept" if freed else ", glibc defaults"
+        parts = []
+        for other in ("separate", "torchrec_1thread", "torchrec"):
+            r = [
+                d["paths"]["collection"]["cpu_ms"] / d["paths"][other]["cpu_ms"]
+                for d in ds
+                if other in d["paths"]
+            ]
+            if r:
+                rng = f"{min(r):.2f}" if len(r) == 1 else f"{min(r):.2f}-{max(r):.2f}"
+                parts.append(f"{rng} of {_DLRM_PATHS[other]}")
+        lines.append(f"* {what}: " + ", ".join(parts) + ".")
+    lines += [
+        "",
         "Commands (results in `benchmarks/results/2026-11-cpu-dlrm/`):",
         "",
     ]
-    lines += sorted({f"    {_dlrm_command(d)}" for _, d in runs})
+    lines += [f"    {_dlrm_command(d)}" for _, d in runs]
     return "\n".join(lines) + "\n"
 
 
