@@ -266,6 +266,6 @@ def test_dlrm_bench_smoke(bench, tmp_path):
     for p, row in report["paths"].items():
         assert row["median_ms"] > 0 and row["cpu_ms"] >= 0 and row["temp_mb"] >= 0
         assert report["check_max_abs_diff"][p] < 1e-5, report["check_losses"]
-    saved = json.loads((tmp_path / "dlrm_bench_cpu_linear.json").read_text())
+    saved = json.loads((tmp_path / "dlrm_bench_cpu_linear_b16.json").read_text())
     assert saved["time_over_collection"] == report["time_over_collection"]
     assert saved["tables"] == 4 and "torchrec" not in saved
