@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import dense_reference, random_slices, tol
+from helpers import assert_same_bits, dense_reference, random_slices, tol
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -85,7 +85,7 @@ def assert_trees_close(a, b, dtype=jnp.float32, exact=False):
     for x, y in zip(la, lb, strict=True):
         assert x.shape == y.shape and x.dtype == y.dtype
         if exact:
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+            assert_same_bits(x, y)
         else:
             np.testing.assert_allclose(
                 np.asarray(x, np.float32), np.asarray(y, np.float32), **tol(dtype)
