@@ -57,21 +57,17 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "densify-crossover": ("2026-11-cpu/step_bench_crossover_cpu.json",),
     "design-typed-cost": ("2026-11-cpu/typed_indices_cost_cpu.json",),
     "design-checks-cost": ("2026-11-cpu/checks_cost_cpu.json",),
-    "optimizer-floor": ("2026-11-cpu-floor/optimizer_floor_bench_cpu.json",),
+    "optimizer-floor": ("2026-11-cpu-floor-quiet/optimizer_floor_bench_cpu.json",),
     "collections-dlrm": (
-        "2026-11-cpu-dlrm/dlrm_bench_cpu.json",
-        "2026-11-cpu-dlrm/dlrm_bench_cpu_run2.json",
-        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear.json",
-        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear_run2.json",
-        "2026-11-cpu-dlrm/dlrm_bench_cpu_freed.json",
-        "2026-11-cpu-dlrm/dlrm_bench_cpu_freed_run2.json",
-        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear_freed.json",
-        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear_freed_run2.json",
+        "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu.json",
+        "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear.json",
+        "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_freed.json",
+        "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear_freed.json",
     ),
     "collections-batch": (
-        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear_b128.json",
-        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear_b512.json",
-        "2026-11-cpu-dlrm/dlrm_bench_cpu_linear.json",
+        "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear_b128.json",
+        "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear_b512.json",
+        "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear.json",
     ),
     "donation": (
         "2026-11-cpu-donation/step_bench_cpu.json",
@@ -483,7 +479,9 @@ def collections_dlrm() -> str:
         lines.append(f"* {what}: " + ", ".join(parts) + ".")
     lines += [
         "",
-        "Commands (results in `benchmarks/results/2026-11-cpu-dlrm/`):",
+        "Commands (results in "
+        + ", ".join(sorted({f"`benchmarks/results/{Path(f).parent}/`" for f in files}))
+        + "):",
         "",
     ]
     lines += [f"    {_dlrm_command(d)}" for _, d in runs]
