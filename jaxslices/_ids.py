@@ -154,6 +154,24 @@ def as_ids(ids: Any, where: str) -> Any:
     return ids
 
 
+def to_jax(ids: Any, where: str) -> jax.Array:
+    """Integer ids as a JAX array, never wrapped onto a valid row.
+
+    Without ``jax_enable_x64`` JAX holds 64-bit ids in 32 bits, and
+    ``jnp.asarray`` would wrap ``2**32 + 1`` to ``1``: a valid row. Concrete
+    ids that the narrower dtype cannot hold become that dtype's extreme of
+    the same sign instead, outside every table JAX can index without x64, so
+    a range check still refuses them and a lookup treats them as padding.
+    """
+    ids = as_ids(ids, where)
+    if isinstance(ids, np.ndarray):
+        narrow = np.dtype(jax.dtypes.canonicalize_dtype(ids.dtype))
+        if narrow != ids.dtype:
+            info = np.iinfo(narrow)
+            ids = np.clip(ids, info.min, info.max).astype(narrow)
+    return jnp.asarray(ids)
+
+
 # ------------------------------------------------------------ checked mode
 
 

@@ -153,13 +153,7 @@ def _missing(coll: Any, keys: Any) -> None:
 
 
 def _as_ids(x: Any, what: str) -> jax.Array:
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(
-            f"{WHERE}: {what} must be integers, got {x.dtype}. Cast them, e.g. "
-            "`ids.astype(jnp.int32)`."
-        )
-    return x
+    return _ids.to_jax(x, f"{WHERE} ({what})")
 
 
 def _valid(values: jax.Array, rows: np.ndarray, key: Any) -> jax.Array:
@@ -187,6 +181,8 @@ def _bad_ids_error(n, key, lo, hi, *, keys, rows):
 
 def _check(values, bad, key_of, spec, guard):
     """Raise (also under ``jit``) if any ``bad``; returns ``guard``."""
+    if values.size == 0:  # an empty batch: no id to check
+        return guard
     F = len(spec.keys)
     info = jnp.iinfo(values.dtype)
     return _errors.raise_if(
@@ -274,7 +270,7 @@ def _padded(coll, lay, params, features, padding_id, weights, check_ids, batch_m
             f"{ {f: a.shape[0] for f, a in zip(coll.features, arrs, strict=True)} }."
         )
     if weights is not None:
-        if not isinstance(weights, Mapping) or set(weights) < set(coll.features):
+        if not isinstance(weights, Mapping) or not set(coll.features) <= set(weights):
             raise ValueError(
                 f"{WHERE}: `weights` must be a dict with every feature "
                 f"{list(coll.features)}, like the ids."
@@ -346,14 +342,15 @@ def _padded(coll, lay, params, features, padding_id, weights, check_ids, batch_m
                 total if scale is None else total * scale,
             )
         for j, i in enumerate(seq, start=n):
-            Ls = int(spec.seq_len[i])
-            if L > Ls:
+            Ls, own = int(spec.seq_len[i]), arrs[i].shape[1]
+            if own > Ls:
                 raise ValueError(
-                    f"{WHERE}: feature {spec.keys[i]!r} has bags of {L} ids, longer "
+                    f"{WHERE}: feature {spec.keys[i]!r} has bags of {own} ids, longer "
                     f"than its table's max_sequence_length {Ls}."
                 )
             r = jax.lax.index_in_dim(rows, j, axis=fa, keepdims=False)  # [B, L, dim]
-            seqs[spec.keys[i]] = jnp.pad(r, ((0, 0), (0, Ls - L), (0, 0)))
+            r = r[:, :own]  # its own slots; those beyond were added to reach L
+            seqs[spec.keys[i]] = jnp.pad(r, ((0, 0), (0, Ls - own), (0, 0)))
     return pooled, seqs
 
 
@@ -375,7 +372,8 @@ def _jagged(coll, lay, params, features, check_ids, batch_major):
     spec = Keys.of(coll, lay, features.keys)
     F, B, N = len(spec.keys), features.batch_size, features.max_total
     seg = segment_ids(features.offsets, N)  # feature-major bag, F * B: unused
-    kid = seg // B  # the slot's key; F for unused slots
+    # the slot's key; F for unused slots (every slot, when the batch is empty)
+    kid = seg // B if B else jnp.full_like(seg, F)
     valid = _valid(values, spec.rows, kid)
     if check_ids:
         member = jnp.asarray(spec.rows > 0)[kid]

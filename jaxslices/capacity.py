@@ -25,10 +25,13 @@ the estimate, is in ``docs/optax.md`` ("Distinct-row bound").
 The ids given are what the step looks up in one table: every lookup of that
 table in one step, concatenated (any shape; flattened). Invalid ids
 (negative, or ``>= num_rows`` when ``num_rows`` is given) touch no row and
-are not counted. A batch may also be a dict of id arrays (one per table,
-e.g. ``{"user": ids_u, "item": ids_i}``, nested dicts allowed); the result
-is then the same dict of estimates, ready to pass as ``max_distinct`` or
-``capacity``.
+are not counted. For :func:`estimate_max_distinct` and
+:func:`estimate_multisteps_capacity` a batch may also be a dict of id arrays
+(one per table, e.g. ``{"user": ids_u, "item": ids_i}``, nested dicts
+allowed); the result is then the same dict of estimates, ready to pass as
+``max_distinct`` or ``capacity`` (a ``num_rows`` given applies to every
+table). :func:`estimate_all_to_all_capacity` sizes one table's routing and
+takes plain id arrays.
 """
 
 from __future__ import annotations
@@ -207,6 +210,12 @@ def estimate_all_to_all_capacity(
     rows_per_shard = num_rows // num_shards
     most, local_slots = 0, 1
     for b in batches:
+        if isinstance(b, dict):
+            raise TypeError(
+                f"jaxslices.capacity.{where}: a batch is a dict (keys "
+                f"{list(b)}); this estimator sizes one table's routing. Call it "
+                "once per table with that table's ids."
+            )
         b = np.asarray(b)
         if b.ndim < 1 or b.shape[0] % devices:
             raise ValueError(

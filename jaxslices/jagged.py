@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from . import _errors
+from . import _errors, _ids
 
 __all__ = [
     "JaggedIds",
@@ -230,7 +230,7 @@ def jagged_from_lengths(
       Array([0, 1, 1, 3], dtype=int32)
     """
     where = "jaxslices.jagged_from_lengths"
-    values = jnp.asarray(_integer(values, "values", where))
+    values = _ids.to_jax(_integer(values, "values", where), where)
     lengths = jnp.asarray(_integer(lengths, "lengths", where))
     if values.ndim != 1 or lengths.ndim != 1:
         raise ValueError(
@@ -300,7 +300,7 @@ def jagged_from_padded(
       (Array([5, 2, 3, 0, 0, 0], dtype=int32), Array([0, 1, 1, 3], dtype=int32))
     """
     where = "jaxslices.jagged_from_padded"
-    ids = jnp.asarray(_integer(ids, "ids", where))
+    ids = _ids.to_jax(_integer(ids, "ids", where), where)
     if ids.ndim != 2:
         raise ValueError(
             f"{where}: `ids` must be a padded [num_bags, L] array, got shape "
@@ -329,12 +329,8 @@ def jagged_from_padded(
     slot = jnp.cumsum(flat_present, dtype=jnp.int32) - 1
     slot = jnp.where(flat_present, slot, max_total)
 
-    def compact(x):
-        return (
-            jnp.zeros((max_total,), x.dtype)
-            .at[slot]
-            .set(x.reshape(-1), mode="drop", unique_indices=True)
-        )
+    def compact(x):  # absent ids all go to slot max_total: out of bounds, dropped
+        return jnp.zeros((max_total,), x.dtype).at[slot].set(x.reshape(-1), mode="drop")
 
     weights = weights_like(weights, ids.shape, "ids", where)
     if weights is not None:

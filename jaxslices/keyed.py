@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _ids
 from .jagged import (
     JaggedIds,
     check_jagged,
@@ -256,7 +257,7 @@ class KeyedJaggedIds:
         """
         where = "KeyedJaggedIds.from_padded"
         keys = _check_keys(list(ids), where)
-        arrs = [jnp.asarray(ids[k]) for k in keys]
+        arrs = [_ids.to_jax(ids[k], f"{where} (feature {k!r})") for k in keys]
         for k, a in zip(keys, arrs, strict=True):
             if a.ndim != 2 or not jnp.issubdtype(a.dtype, jnp.integer):
                 raise ValueError(
@@ -284,6 +285,17 @@ class KeyedJaggedIds:
                     )
         L = max(a.shape[1] for a in arrs)
         dtype = jnp.result_type(*arrs)
+        info = np.iinfo(dtype)
+        if any(a.shape[1] < L for a in arrs) and not (
+            info.min <= padding_id <= info.max
+        ):
+            raise ValueError(
+                f"{where}: the features have bags of different lengths "
+                f"{ {k: a.shape[1] for k, a in zip(keys, arrs, strict=True)} }, and "
+                f"the slots added to reach {L} are filled with padding_id="
+                f"{padding_id}, which {jnp.dtype(dtype).name} ids cannot hold. Pass "
+                "a padding_id in the ids' range, or pad every feature to one length."
+            )
 
         def pad(a, v):
             return jnp.pad(a, ((0, 0), (0, L - a.shape[1])), constant_values=v)

@@ -86,7 +86,8 @@ def _per_row(b: Any, per_table: jax.Array, indices: jax.Array) -> jax.Array:
     )
     t = jnp.asarray(owner)[jnp.clip(seg - 1, 0, len(owner) - 1)]
     vals = jnp.concatenate([per_table, jnp.zeros((1,), per_table.dtype)])
-    return vals[jnp.where(t < 0, len(b.tables), t)]
+    unused = (t < 0) | (indices >= b.rows)  # unused rows; padding (index V)
+    return vals[jnp.where(unused, len(b.tables), t)]
 
 
 def _dense_rows(b: Any, per_table: jax.Array) -> jax.Array:

@@ -135,3 +135,9 @@ def test_bad_arguments_are_refused(kwargs, match):
         capacity.estimate_multisteps_capacity([[1], [2]], every_k=3)
     with pytest.raises(ValueError, match="structure of the first"):
         capacity.estimate_max_distinct([{"a": [1]}, {"b": [1]}])
+
+
+def test_all_to_all_estimate_refuses_a_dict_of_tables():
+    batch = {"user": np.arange(4), "item": np.arange(4)}
+    with pytest.raises(TypeError, match=r"a batch is a dict .* once per table"):
+        js.capacity.estimate_all_to_all_capacity([batch], num_rows=8, num_shards=2)

@@ -355,6 +355,24 @@ def test_sequence_tables_and_their_overflow_error():
         jax.block_until_ready(jax.jit(coll)(params, long))
 
 
+def test_padded_sequence_feature_shorter_than_a_pooled_one():
+    """A sequence feature's own L counts, not the longest feature's."""
+    coll = js.EmbeddingCollection(
+        [
+            js.TableConfig("s", 5, 2, combiner=None, max_sequence_length=3),
+            js.TableConfig("p", 5, 2),
+        ]
+    )
+    params = coll.init(jax.random.key(0))
+    t = params["dim2_float32"]
+    ids = {"s": jnp.array([[1, 2], [4, 0]]), "p": jnp.array([[0, 1, 2, 3, 4]] * 2)}
+    out = coll(params, ids)
+    s_rows = t[jnp.array([[1, 2], [4, 0]])]
+    want = jnp.concatenate([s_rows, jnp.zeros((2, 1, 2))], axis=1)
+    np.testing.assert_allclose(out["s"], want)
+    np.testing.assert_allclose(out["p"], jnp.stack([t[5:10].sum(0)] * 2), rtol=1e-6)
+
+
 # ------------------------------------------------------------------ checks
 
 
@@ -375,6 +393,50 @@ def test_check_ids_names_the_feature_eagerly_and_under_jit():
     f = jax.jit(lambda p, k: coll(p, k, check_ids=True))
     with pytest.raises(jax.errors.JaxRuntimeError, match=msg):
         jax.block_until_ready(f(params, bad))
+
+
+def test_ids_beyond_jax_integer_width_are_never_a_valid_row():
+    """Without x64, int64 2**32 + 1 would wrap to row 1 in jnp.asarray."""
+    coll = js.EmbeddingCollection([js.TableConfig("a", 10, 2)])
+    params = coll.init(jax.random.key(0))
+    big = np.array([[2**32 + 1], [3]], np.int64)
+    with pytest.raises(ValueError, match=r"1 id is out of range .* feature 'a'"):
+        coll(params, {"a": big}, check_ids=True)
+    out = coll(params, {"a": big})  # unchecked: read as padding, zeros
+    np.testing.assert_array_equal(out["a"][0], 0)
+    kjt = js.KeyedJaggedIds.from_padded({"a": big}, padding_id=-1)
+    with pytest.raises(ValueError, match=r"1 id is out of range"):
+        coll(params, kjt, check_ids=True)
+    assert int(js.jagged_from_padded(big.T, padding_id=-1).values[0]) != 1
+    assert int(js.jagged_from_lengths(big[:, 0], np.array([2])).values[0]) != 1
+
+
+def test_an_empty_batch_pools_nothing_and_checks_nothing():
+    coll = js.EmbeddingCollection([js.TableConfig("a", 4, 2)])
+    params = coll.init(jax.random.key(0))
+    kjt = js.KeyedJaggedIds.from_lists({"a": []})
+    assert coll(params, kjt, check_ids=True)["a"].shape == (0, 2)
+    g = js.grad(lambda p: coll(p, kjt)["a"].sum())(params)
+    np.testing.assert_array_equal(js.to_dense(g["dim2_float32"]), 0)
+
+
+def test_padded_weights_need_every_feature():
+    coll = js.EmbeddingCollection(
+        [js.TableConfig("a", 4, 2), js.TableConfig("b", 4, 2)]
+    )
+    params = coll.init(jax.random.key(0))
+    ids = {"a": jnp.array([[1]]), "b": jnp.array([[2]])}
+    bad = {"a": jnp.ones((1, 1)), "c": jnp.ones((1, 1))}  # b missing, c extra
+    with pytest.raises(ValueError, match=r"`weights` must be a dict with every"):
+        coll(params, ids, weights=bad)
+
+
+def test_keyed_from_padded_refuses_a_filler_its_dtype_cannot_hold():
+    ids = {"a": np.array([[1, 2, 3]], np.uint8), "b": np.array([[4]], np.uint8)}
+    with pytest.raises(ValueError, match=r"padding_id=-1, which uint8 ids cannot"):
+        js.KeyedJaggedIds.from_padded(ids, padding_id=-1)
+    kjt = js.KeyedJaggedIds.from_padded(ids, padding_id=255)
+    assert kjt.lengths.tolist() == [3, 1]
 
 
 def test_bad_configs_and_inputs_raise_clear_errors():
