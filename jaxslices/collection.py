@@ -405,12 +405,7 @@ class EmbeddingCollection:
           >>> coll.concat(params, {"a": jnp.array([[1]]), "b": jnp.array([[0]])})
           Array([[2., 3., 8., 9.]], dtype=float32)
         """
-        seq = [t.name for t in self.tables if t.combiner is None]
-        if seq:
-            raise ValueError(
-                f"EmbeddingCollection.concat: sequence tables {seq} do not pool; "
-                "use the collection's call, which returns them as [B, L, dim]."
-            )
+        self._refuse_sequences("EmbeddingCollection.concat")
         self._check_params(params, "EmbeddingCollection.concat")
         pooled, _ = _pooling.lookup(
             self,
@@ -432,7 +427,16 @@ class EmbeddingCollection:
         return jnp.concatenate([cols[f] for f in self.features], axis=1)
 
     # -- per-table hyperparameters -------------------------------------------
-    def scale_by_table(self, factors: Mapping[str, Any], *, default: Any = 1.0):
+    def _refuse_sequences(self, where: str) -> None:
+        """``concat`` pools every table: sequence tables have no place in it."""
+        seq = [t.name for t in self.tables if t.combiner is None]
+        if seq:
+            raise ValueError(
+                f"{where}: sequence tables {seq} do not pool; use the "
+                "collection's call, which returns them as [B, L, dim]."
+            )
+
+    def scale_by_table(self, factors: Mapping[str, Any], *, default: Any = 1.0) -> Any:
         """See :func:`jaxslices.per_table.scale_by_table`."""
         from .per_table import scale_by_table
 
@@ -440,7 +444,7 @@ class EmbeddingCollection:
 
     def add_decayed_weights_by_table(
         self, rates: Mapping[str, Any], *, default: Any = 0.0
-    ):
+    ) -> Any:
         """See :func:`jaxslices.per_table.add_decayed_weights_by_table`."""
         from .per_table import add_decayed_weights_by_table
 

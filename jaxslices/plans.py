@@ -271,13 +271,18 @@ class ShardingPlan:
         return {k: np.asarray(v) for k, v in self.collection.stack(tables).items()}
 
     # -- lookups --------------------------------------------------------------
-    def __call__(self, params: Mapping[str, Any], features: Any, **kwargs: Any):
+    def __call__(
+        self, params: Mapping[str, Any], features: Any, **kwargs: Any
+    ) -> dict[str, jax.Array]:
         """As :meth:`jaxslices.EmbeddingCollection.__call__`, on the plan's params."""
         out = dict(self._lookup(params, features, False, kwargs))
         return {f: out[f] for f in self.collection.features}
 
-    def concat(self, params: Mapping[str, Any], features: Any, **kwargs: Any):
+    def concat(
+        self, params: Mapping[str, Any], features: Any, **kwargs: Any
+    ) -> jax.Array:
         """As :meth:`jaxslices.EmbeddingCollection.concat`, on the plan's params."""
+        self.collection._refuse_sequences("ShardingPlan.concat")
         cols = self._lookup(params, features, True, kwargs)
         return jnp.concatenate([cols[f] for f in self.collection.features], axis=1)
 

@@ -215,3 +215,16 @@ def test_a_jagged_input_on_a_plan():
     got = jax.jit(plan)(plan.shard(params), kjt)
     for f in FEATURES:
         np.testing.assert_allclose(got[f], want[f], rtol=1e-6, atol=1e-7)
+
+
+def test_a_plans_concat_refuses_sequence_tables_like_the_collection():
+    coll = js.EmbeddingCollection(
+        [js.TableConfig("s", 16, 8, combiner=None, max_sequence_length=2)]
+    )
+    m = _mesh.mesh((8,), ("model",))
+    plan = js.ShardingPlan(coll, m, "model", {"s": "row_wise"}, batch_size=B)
+    params = plan.shard(coll.init(jax.random.key(0)))
+    ids = {"s": jnp.zeros((B, 2), jnp.int32)}
+    with pytest.raises(ValueError, match=r"ShardingPlan.concat: sequence tables"):
+        plan.concat(params, ids)
+    assert plan(params, ids)["s"].shape == (B, 2, 8)
