@@ -133,7 +133,8 @@ def safe_ids(ids: Any, num_rows: int) -> jax.Array:
     )
 
 
-def _has_tracer(x: Any) -> bool:
+def has_tracer(x: Any) -> bool:
+    """Whether any leaf of ``x`` is traced (else it can be checked in NumPy now)."""
     return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
 
 
@@ -145,7 +146,7 @@ def as_ids(ids: Any, where: str) -> Any:
     raise a ``TypeError`` naming ``where``.
     """
     if not isinstance(ids, jax.Array):
-        ids = jnp.asarray(ids) if _has_tracer(ids) else np.asarray(ids)
+        ids = jnp.asarray(ids) if has_tracer(ids) else np.asarray(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(
             f"{where}: `ids` must be integers, got {jnp.dtype(ids.dtype).name}"
@@ -199,7 +200,7 @@ def check(
     """
     if ids.size == 0:
         return ids
-    if not isinstance(ids, jax.core.Tracer) and not _has_tracer(counted):
+    if not isinstance(ids, jax.core.Tracer) and not has_tracer(counted):
         given, ids = ids, np.asarray(ids)
         counted = np.ones(ids.shape, bool) if counted is None else np.asarray(counted)
         bad = counted & ~valid(ids, num_rows)

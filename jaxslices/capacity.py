@@ -43,6 +43,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _ids
+
 __all__ = [
     "distinct_rows",
     "estimate_all_to_all_capacity",
@@ -58,9 +60,7 @@ def _valid(ids: Any, num_rows: int | None) -> np.ndarray:
             f"jaxslices.capacity: ids must be integers, got {ids.dtype} "
             f"{list(ids.shape)}."
         )
-    keep = ids >= 0
-    if num_rows is not None:
-        keep &= ids < num_rows
+    keep = ids >= 0 if num_rows is None else _ids.valid(ids, num_rows)
     return ids[keep]
 
 

@@ -92,10 +92,6 @@ class JaggedIds(NamedTuple):
         return offsets[1:] - offsets[:-1]
 
 
-def _is_concrete(*xs: Any) -> bool:
-    return not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(xs))
-
-
 def _overflow(total: int, *, max_total: int, where: str, hint: str) -> ValueError:
     return ValueError(
         f"{where}: the bags hold {total} ids in all, more than max_total="
@@ -251,7 +247,7 @@ def jagged_from_lengths(
         else f"; only {n} ids were given, so sum(lengths) must be <= {n}"
     )
     error = functools.partial(_overflow, max_total=max_total, where=where, hint=hint)
-    if _is_concrete(lengths):  # checked in NumPy: no op is traced here
+    if not _ids.has_tracer(lengths):  # checked in NumPy: no op is traced here
         given = np.asarray(lengths)
         if np.any(given < 0):
             raise ValueError(f"{where}: `lengths` must be >= 0, got {given}.")
@@ -317,7 +313,7 @@ def jagged_from_padded(
     counts = jnp.sum(present, axis=1, dtype=jnp.int32)
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts)])
     error = functools.partial(_overflow, max_total=max_total, where=where, hint="")
-    if _is_concrete(ids):  # checked in NumPy: no op is traced here
+    if not _ids.has_tracer(ids):  # checked in NumPy: no op is traced here
         given = np.asarray(ids)
         total = int(np.sum(given != padding_id)) if padded else size
         if total > max_total:
@@ -381,7 +377,7 @@ def check_jagged(jagged: JaggedIds, where: str = "jaxslices.check_jagged") -> Ja
     weights = weights_like(weights, jnp.shape(values), "values", where)
     max_total = int(jnp.shape(values)[0])
     error = functools.partial(_bad_offsets, max_total=max_total, where=where)
-    if _is_concrete(offsets):  # checked in NumPy: no op is traced here
+    if not _ids.has_tracer(offsets):  # checked in NumPy: no op is traced here
         given = np.asarray(offsets)
         down = int(np.sum(given[1:] < given[:-1]))
         if given[0] != 0 or down or given[-1] > max_total:
