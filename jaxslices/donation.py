@@ -129,7 +129,7 @@ def table_copies(compiled: Any, *, min_bytes: int = 1 << 20) -> list[TableCopy]:
         seen.add(c["src"])
         k = int(p["k"])
         name = (p["op"] or "").replace("\\'", "'") or f"parameter {k}"
-        donated = _donated(infos, k, shape)
+        donated = _donated(infos, k, shape, aligned=len(params) == len(infos))
         out.append(TableCopy(name, shape, p["dtype"], nbytes, donated))
     return sorted(out, key=lambda t: -t.nbytes)
 
@@ -154,14 +154,18 @@ def _unwrap(obj: Any) -> jax.stages.Compiled:
     )
 
 
-def _donated(infos: list[Any], k: int, shape: tuple[int, ...]) -> bool:
+def _donated(
+    infos: list[Any], k: int, shape: tuple[int, ...], *, aligned: bool
+) -> bool:
     """Whether entry parameter ``k`` (of ``shape``) was donated.
 
-    JAX passes the arguments' leaves in order, dropping unused ones only
-    with ``keep_unused=False``: parameter ``k`` is leaf ``k`` when the shapes
-    agree, else the donated flag of the leaves of that shape decides.
+    JAX passes the arguments' leaves in order, but drops unused ones (its
+    default ``keep_unused=False``), and then parameter ``k`` need not be leaf
+    ``k``. So position decides only when every leaf is a parameter
+    (``aligned``) and the shapes agree; else the leaves of that shape decide,
+    donated only if all of them are.
     """
-    if k < len(infos) and tuple(infos[k].shape) == shape:
+    if aligned and k < len(infos) and tuple(infos[k].shape) == shape:
         return bool(infos[k].donated)
     same = [i for i in infos if tuple(i.shape) == shape]
     return bool(same) and all(i.donated for i in same)

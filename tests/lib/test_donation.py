@@ -116,3 +116,18 @@ def test_apply_max_norm_first_or_after_the_lookups(renorm_first):
 def test_anything_else_is_refused():
     with pytest.raises(TypeError, match="expected a compiled step"):
         js.table_copies(jax.jit(lambda x: x))
+
+
+def test_an_unused_argument_does_not_shift_the_donated_flags():
+    """jit drops unused arguments from the HLO (keep_unused=False): the copied
+    state is still reported as not donated, though the leaf at its position
+    (the table) was."""
+
+    def step(unused, table, acc, ids):
+        return table.at[ids].add(1.0), acc.at[ids].add(1.0)
+
+    table, acc = jnp.zeros((V, D)), jnp.zeros((V, D))
+    args = (jnp.zeros(3), table, acc, jnp.array([1, 2]))
+    compiled = jax.jit(step, donate_argnums=1).lower(*args).compile()
+    (copy,) = js.table_copies(compiled)
+    assert copy.argument == "acc" and copy.donated is False
