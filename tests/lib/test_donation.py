@@ -131,3 +131,10 @@ def test_an_unused_argument_does_not_shift_the_donated_flags():
     compiled = jax.jit(step, donate_argnums=1).lower(*args).compile()
     (copy,) = js.table_copies(compiled)
     assert copy.argument == "acc" and copy.donated is False
+
+
+def test_bytes_per_element_follow_the_hlo_type_width():
+    from jaxslices.donation import _itemsize
+
+    widths = {"f32": 4, "bf16": 2, "f8e4m3fn": 1, "s4": 0.5, "pred": 1, "c128": 16}
+    assert {t: _itemsize(t) for t in widths} == widths
