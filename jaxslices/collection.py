@@ -279,11 +279,32 @@ class EmbeddingCollection:
         A table's values depend on ``key`` and its name only
         (``jax.random.fold_in(key, crc32(name))``), not on the other tables
         or their order. Compiled once per collection (no per-table copies).
+
+        Example:
+          >>> import jax, jaxslices as js
+          >>> coll = js.EmbeddingCollection([js.TableConfig("a", 5, 4)])
+          >>> {k: v.shape for k, v in coll.init(jax.random.key(0)).items()}
+          {'dim4_float32': (5, 4)}
         """
         return self._init(key)
 
     def stack(self, tables: Mapping[str, Any]) -> dict[str, jax.Array]:
-        """Params from ``{table name: [rows, dim] array}`` (every table once)."""
+        """Params from ``{table name: [rows, dim] array}`` (every table once).
+
+        :meth:`unstack` and :meth:`table` read them back.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxslices as js
+          >>> coll = js.EmbeddingCollection(
+          ...     [js.TableConfig("a", 2, 3), js.TableConfig("b", 1, 3)])
+          >>> params = coll.stack({"a": jnp.zeros((2, 3)), "b": jnp.ones((1, 3))})
+          >>> params["dim3_float32"].shape
+          (3, 3)
+          >>> coll.table(params, "b").tolist()
+          [[1.0, 1.0, 1.0]]
+          >>> sorted(coll.unstack(params))
+          ['a', 'b']
+        """
         missing = [n for n in self._by_name if n not in tables]
         extra = [n for n in tables if n not in self._by_name]
         if missing or extra:
