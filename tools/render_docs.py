@@ -60,8 +60,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "optimizer-floor": ("2026-11-cpu-floor-quiet/optimizer_floor_bench_cpu.json",),
     "collections-dlrm": (
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu.json",
+        "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_run2.json",
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear.json",
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_freed.json",
+        "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_freed_threads.json",
+        "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_freed_threads_run2.json",
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear_freed.json",
     ),
     "collections-batch": (
