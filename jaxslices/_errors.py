@@ -12,10 +12,20 @@ devices; ``tests/scale/test_errors.py``):
 * **Eagerly** (concrete values), the error is raised at the call.
 * **Under** ``jit`` the check is a ``jax.pure_callback`` inside a
   ``lax.cond`` on the predicate (so the host is called only when the check
-  fails). The callback raises the error; JAX reports it as a
-  ``jax.errors.JaxRuntimeError`` (a ``RuntimeError``) whose message contains
-  the error's text, when the result is computed (catch it around the jitted
-  call and ``jax.block_until_ready`` of its result).
+  fails). The callback raises the error; JAX reports it, when the result is
+  computed, as ``jax.errors.JaxRuntimeError`` on its Python dispatch path (a
+  compiled step's first call) and as ``ValueError`` on its C++ fast path
+  (later calls; JAX 0.10-0.12), either way with the error's type and text in
+  the message: catch both around the jitted call and
+  ``jax.block_until_ready`` of its result. A pure callback is no JAX effect,
+  so a step with checks keeps JAX's C++ dispatch path (an effect would cost
+  about 0.3 ms of Python per call: 15-25% of a 1-2 ms CPU optimizer step,
+  measured with ``benchmarks/optimizer_floor_bench.py``). Like Equinox's
+  ``error_if``, the check then runs when something uses its result: callers
+  guard what the step goes on to use. ``always=True`` (the public
+  :func:`jaxslices.check_ids`, whose result a user may drop) is a
+  ``jax.debug.callback`` instead, an effect kept even when the result is
+  unused.
 * **Over a mesh** a callback that raises on one device only leaves the others
   waiting in the step's next collective: measured, the process aborts after
   the collective's rendezvous timeout (SIGABRT, no Python exception). Under
@@ -27,11 +37,11 @@ devices; ``tests/scale/test_errors.py``):
   ``shard_map`` it does anyway, and under plain ``jit`` over a mesh it is
   wrapped in a ``shard_map`` over that mesh with replicated scalar operands.
   Every device then fails at the same point, before any collective that
-  depends on the guarded array, and every process raises. The guarded array is
-  threaded through the check as ``guard ^ token`` (``token`` is the ``cond``'s
-  result, zero when the check passes: XLA cannot fold it away, and it costs one
-  integer ``xor`` per element); an unused callback result would be removed as
-  dead code.
+  depends on the guarded array, and every process raises. The guarded arrays
+  are threaded through the check: integers as ``guard ^ token``, others as
+  ``where(token != 0, 0, guard)`` (``token`` is the ``cond``'s result, zero
+  when the check passes: XLA cannot fold it away, and it costs one integer
+  ``xor`` or one select per element, fused into what uses it).
 * The alternatives measured: ``jax.debug.callback`` (runs on device 0 only
   under ``jit``: a hang whenever a collective follows), a callback without
   the global predicate (only the failing device stops: a hang), and
@@ -79,29 +89,67 @@ def _global(x: jax.Array, how: str, axes: tuple[str, ...]) -> jax.Array:
     return _REDUCE[how](x, axes)
 
 
+def _failure(error: Callable[..., Exception], pred: Any, *payload: Any) -> Any:
+    """``error(*payload)`` if any ``pred`` (the first failing element under vmap)."""
+    pred = np.asarray(pred)
+    if not np.any(pred):
+        return None
+    values = [np.asarray(v) for v in payload]
+    if values and values[0].ndim:  # batched by vmap: report the first failure
+        first = int(np.argmax(pred.reshape(-1)))
+        values = [v.reshape(-1)[first] for v in values]
+    return error(*(int(v) for v in values))
+
+
 def _host_check(error: Callable[..., Exception], pred: Any, *payload: Any) -> None:
-    if np.any(np.asarray(pred)):
-        values = [np.asarray(v) for v in payload]
-        if values and values[0].ndim:  # batched by vmap: report the first failure
-            first = int(np.argmax(np.asarray(pred).reshape(-1)))
-            values = [v.reshape(-1)[first] for v in values]
-        raise error(*(int(v) for v in values))
+    """The effectful check (``always=True``): raise the error itself."""
+    failure = _failure(error, pred, *payload)
+    if failure is not None:
+        raise failure
 
 
-def _fire(error: Callable[..., Exception], pred: Any, payload: Sequence[Any]) -> Any:
+def _host_token(error: Callable[..., Exception], pred: Any, *payload: Any) -> Any:
+    """The pure check (the default): raise, or zeros shaped like ``pred``."""
+    _host_check(error, pred, *payload)
+    return np.zeros(np.shape(pred), np.int32)
+
+
+def _fire(
+    error: Callable[..., Exception], pred: Any, payload: Sequence[Any], always: bool
+) -> Any:
     """Zero if ``pred`` is false; otherwise a callback that raises ``error``."""
 
     def failed(pred, *payload):
-        # An effect: kept even when the guarded result is unused. Everything
-        # that uses the cond's result waits for the branch, callback included.
-        jax.debug.callback(functools.partial(_host_check, error), pred, *payload)
-        return pred.astype(jnp.int32)  # 0 where the check passed (under vmap)
+        if always:
+            # An effect: kept even when the guarded result is unused, at the
+            # price of JAX's C++ dispatch path for the whole step.
+            jax.debug.callback(functools.partial(_host_check, error), pred, *payload)
+            return pred.astype(jnp.int32)  # 0 where the check passed (under vmap)
+        # A pure callback: no effect, so the step keeps JAX's C++ dispatch
+        # path (an effect costs about 0.3 ms of Python per call, measured on
+        # CPU). Its result is the token every use of the guard depends on:
+        # dead code only when nothing uses the guarded arrays.
+        out = jax.ShapeDtypeStruct(pred.shape, jnp.int32)
+        check = functools.partial(_host_token, error)
+        return jax.pure_callback(
+            check, out, pred, *payload, vmap_method="broadcast_all"
+        )
 
     def passed(pred, *payload):
         del payload
         return jnp.zeros_like(pred, jnp.int32)  # varies like pred (shard_map)
 
     return jax.lax.cond(pred, failed, passed, pred, *payload)
+
+
+def _thread(leaf: Any, token: jax.Array) -> jax.Array:
+    """``leaf`` made to depend on ``token`` (zero when the check passed)."""
+    leaf = jnp.asarray(leaf)
+    if jnp.issubdtype(leaf.dtype, jnp.integer):
+        return leaf ^ token.astype(leaf.dtype)  # one integer xor per element
+    # Not foldable by XLA (the token is a run-time value); the other branch is
+    # never taken: a failed check raises before anything uses the result.
+    return jnp.where(token != 0, jnp.zeros((), leaf.dtype), leaf)
 
 
 def _mesh_of(arrays: Sequence[Any]) -> Any | None:
@@ -119,13 +167,16 @@ def raise_if(
     *payload: Any,
     reduce: Sequence[str] = (),
     like: Sequence[Any] = (),
+    always: bool = False,
 ) -> Any:
     """Raise ``error(*payload)`` if any element of ``pred`` is true; return ``guard``.
 
     Args:
       pred: booleans; the check fails if any is true (on any device).
-      guard: an integer array the check guards. It is returned unchanged; under
-        ``jit`` every use of the result waits for the check.
+      guard: the array (or pytree of arrays) the check guards. It is
+        returned unchanged; under ``jit`` every use of the result waits for
+        the check, and the check runs when something uses it (as Equinox's
+        ``error_if``): guard what the step goes on to use.
       error: builds the exception from the payload as Python ints.
       *payload: integer scalars for the message (counts, extremes).
       reduce: per payload entry, ``"sum"``, ``"max"`` or ``"min"``: how to
@@ -134,6 +185,9 @@ def raise_if(
         ``jnp`` reductions are global already.
       like: arrays whose device mesh decides where the check runs under plain
         ``jit`` (default: ``guard``'s).
+      always: also check when nothing uses the result (a ``jax.debug.callback``,
+        an effect: the whole step then loses JAX's C++ dispatch path). For
+        public checks whose result a user may drop (``check_ids``).
 
     Returns:
       ``guard``.
@@ -162,12 +216,6 @@ def raise_if(
         if np.any(np.asarray(pred)):
             raise error(*(int(np.asarray(v)) for v in payload))
         return guard
-    guard = jnp.asarray(guard)
-    if not jnp.issubdtype(guard.dtype, jnp.integer):
-        raise TypeError(
-            "raise_if: `guard` must be an integer array (it is threaded through "
-            f"the check with an xor), got {guard.dtype}."
-        )
     flag = jnp.any(jnp.asarray(pred))
     payload = tuple(jnp.asarray(v) for v in payload)
     axes = _jax_compat.manual_axes()
@@ -175,15 +223,15 @@ def raise_if(
         flag = _global(flag.astype(jnp.int32), "sum", axes) > 0
         hows = tuple(reduce) or ("max",) * len(payload)
         payload = tuple(_global(v, h, axes) for v, h in zip(payload, hows, strict=True))
-        token = _fire(error, flag, payload)
+        token = _fire(error, flag, payload, always)
     else:
-        mesh = _mesh_of([*like, guard])
+        mesh = _mesh_of([*like, *jax.tree.leaves(guard)])
         if mesh is None:
-            token = _fire(error, flag, payload)
+            token = _fire(error, flag, payload, always)
         else:  # plain jit over a mesh: run the callback on every device
             specs = (P(),) * (1 + len(payload))
             fire = _jax_compat.shard_map(
-                lambda f, *p: _fire(error, f, p), mesh, specs, P()
+                lambda f, *p: _fire(error, f, p, always), mesh, specs, P()
             )
             token = fire(flag, *payload)
-    return guard ^ token.astype(guard.dtype)
+    return jax.tree.map(lambda leaf: _thread(leaf, token), guard)

@@ -477,6 +477,14 @@ def abstract_mesh(x: Any) -> Any | None:
     """
     if not AVAILABLE["abstract_mesh"]:
         return None
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        # A concrete array: its own sharding is the truth. (JAX 0.12 can give
+        # an eager op's result the abstract mesh of an earlier call of the same
+        # op on a mesh, e.g. ``a.at[0, 0].set(v)``, though it is on one device.)
+        mesh = getattr(x.sharding, "mesh", None)  # NamedSharding only
+        if mesh is None or mesh.size == 1:
+            return None
+        return getattr(mesh, "abstract_mesh", mesh)
     try:
         mesh = jax.typeof(x).sharding.mesh
     except (AttributeError, TypeError):

@@ -19,9 +19,9 @@ out of range and their min and max (your ids as passed: for
 * traced ids (under ``jax.jit``, and other transformations that trace the ids):
   the check runs on the device (:func:`jaxslices._errors.raise_if`, on every
   device of a mesh) and JAX raises ``jax.errors.JaxRuntimeError`` (a
-  ``RuntimeError``) with the message, on every process, when the result is
-  computed: catch it around the jitted call and ``jax.block_until_ready`` of
-  its result.
+  ``ValueError`` on later calls of the compiled step) with the message, on
+  every process, when the result is computed: catch both around the jitted
+  call and ``jax.block_until_ready`` of its result.
 
 Lookups consult the lookup handlers (:mod:`jaxslices._lookup_handlers`) first:
 a table type of the opt-in native backend is looked up by its own handler.

@@ -18,8 +18,9 @@ Build them with :func:`jagged_from_lists` (a list of lists),
 ``lengths``) or :func:`jagged_from_padded` (a padded ``[num_bags, L]`` array
 and its padding id). Data that does not fit ``max_total`` raises: eagerly in
 the constructors for concrete data, and under ``jit`` through
-:func:`jaxslices._errors.raise_if` (``jax.errors.JaxRuntimeError`` when the
-step runs, on every device of a mesh). :func:`check_jagged` checks offsets
+:func:`jaxslices._errors.raise_if` (``jax.errors.JaxRuntimeError``, or
+``ValueError`` on later calls of a compiled step, when the step runs, on every
+device of a mesh). :func:`check_jagged` checks offsets
 built by hand the same way (``embedding_bag`` calls it).
 """
 

@@ -601,8 +601,9 @@ def coalesce(
         the result has ``min(max_distinct, N)`` slots instead of ``N``, so
         whatever consumes it (a scatter, an optimizer's state rows) works on
         fewer rows. More distinct indices than that raise a ``ValueError``
-        (eagerly; under ``jit`` a ``JaxRuntimeError`` with the same message,
-        on every device of a mesh): nothing is dropped silently.
+        (eagerly; under ``jit`` a ``JaxRuntimeError``, or ``ValueError`` on
+        later calls, with the same message, on every device of a mesh):
+        nothing is dropped silently.
         :func:`jaxslices.capacity.estimate_max_distinct` estimates it from
         sample batches.
 
@@ -685,14 +686,14 @@ def _guard_count(
     s: IndexedSlices, count: Any, size: int, where: str, sorted_: bool
 ) -> IndexedSlices:
     """``s`` (coalesced), its indices guarded by ``count <= size``."""
-    indices = _errors.raise_if(
+    # Both guarded: a caller may use only the values (a norm) or the indices.
+    values, indices = _errors.raise_if(
         count > size,
-        s.indices,
+        (s.values, s.indices),
         functools.partial(_too_many_rows, size=size, where=where),
         count,
-        like=(s.values,),
     )
-    out = IndexedSlices(s.values, indices, s.dense_shape)
+    out = IndexedSlices(values, indices, s.dense_shape)
     return _with_flags(out, unique_indices=True, indices_sorted=sorted_)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -9,6 +10,11 @@ from jaxslices import IndexedSlices, _jax_compat
 
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 ROW_SHAPES = [(), (3,), (2, 3)]
+
+#: What a failed run-time check raises under ``jit``: JAX reports a callback's
+#: error as ``JaxRuntimeError`` on its Python dispatch path (a step's first
+#: call) and as ``ValueError`` on its C++ fast path (later calls), JAX 0.10-0.12.
+CHECK_FAILED = (jax.errors.JaxRuntimeError, ValueError)
 
 
 def tol(dtype) -> dict:

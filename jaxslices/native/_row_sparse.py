@@ -420,7 +420,8 @@ def to_indexed_slices(tree: Any) -> Any:
 
     Checks the capacity: if the lookups needed more slots than the table's
     capacity, raises ``ValueError`` (under ``jit`` when the step runs, as
-    ``jax.errors.JaxRuntimeError``, through :func:`jaxslices._errors.raise_if`).
+    ``jax.errors.JaxRuntimeError`` or ``ValueError``, through
+    :func:`jaxslices._errors.raise_if`).
     Other leaves are returned as they are.
 
     Example:

@@ -320,3 +320,25 @@ def test_training_step_inside_shard_map_check_vma(name):
     compiled = step.lower(*args).compile()
     _hlo.assert_no_table_sized(compiled, V, D)
     _mesh.assert_trees_close(compiled(*args), ref)
+
+
+def test_eager_update_on_one_device_after_the_same_eager_op_on_a_mesh():
+    # JAX 0.12: an eager ``a.at[0, 0].set(v)`` on one device, run after the
+    # same op on a mesh, returns an array whose abstract type names that mesh
+    # although it lives on one device. An eager jaxslices update of such
+    # arrays must still run on their one device, as an update of clean ones.
+    m = _mesh.mesh((8,), ("model",))
+    for dtype in (jnp.int32, jnp.float32):
+        on_mesh = jax.device_put(
+            jnp.zeros((32, 4), dtype), NamedSharding(m, P("model"))
+        )
+        on_mesh.at[0, 0].set(3)
+    table = jnp.zeros((20, 4), jnp.float32).at[0, 0].set(1.0)
+    ids = jnp.array([[1, 2, 3], [3, 19, 0]], jnp.int32).at[0, 0].set(5)
+    assert len(table.sharding.device_set) == 1
+    g = js.grad(lambda t: js.embedding_bag(t, ids, combiner="sum").sum())(table)
+    new = js.apply_updates({"emb": table}, {"emb": g})["emb"]
+    want = np.zeros((20, 4), np.float32)
+    want[0, 0] = 1.0
+    np.add.at(want, np.array([5, 2, 3, 3, 19, 0]), 1.0)
+    np.testing.assert_array_equal(new, want)
