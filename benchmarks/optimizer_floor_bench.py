@@ -428,6 +428,8 @@ def markdown(summary: dict[str, Any], labels: list[str]) -> str:
     new, old = labels[0], labels[-1]
     cols = [(f"{new}/bounded", f"{new}: `max_distinct`")]
     cols += [(f"{new}/jaxslices", f"{new}: defaults")]
+    for mid in labels[1:-1]:  # trees between the newest and the oldest
+        cols += [(f"{mid}/bounded", f"{mid}: `max_distinct`")]
     if old != new:
         cols += [(f"{old}/jaxslices", f"{old}: defaults")]
     cols += [(f"{new}/hand", "by hand")]

@@ -27,6 +27,7 @@ from . import sharding as sharding
 from ._strict import DenseGradientError as DenseGradientError
 from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
+from .collection import Buffer as Buffer
 from .collection import EmbeddingCollection as EmbeddingCollection
 from .collection import TableConfig as TableConfig
 from .donation import TableCopy as TableCopy
@@ -152,6 +153,7 @@ __all__ = [
     "sharded_init",
     "sharded_lookup",
     "sharded_update",
+    "Buffer",
     "EmbeddingCollection",
     "KeyedJaggedIds",
     "TableConfig",

@@ -52,7 +52,17 @@ class Buffer:
 
     ``pieces > 1``: each table row is stored as ``pieces`` rows of ``dim``
     (a lookup returns ``pieces * dim`` wide rows). ``sharded``: the rows are
-    split over a mesh axis (a plan's buffer); else replicated.
+    split over a mesh axis (a plan's buffer); else replicated. ``segments``:
+    ``(first row, length, table)`` per stretch of rows (``None``: unused).
+
+    Example:
+      >>> import jaxslices as js
+      >>> coll = js.EmbeddingCollection([
+      ...     js.TableConfig("user", rows=10, dim=4),
+      ...     js.TableConfig("item", rows=6, dim=4)])
+      >>> b = coll.buffers[0]
+      >>> b.name, b.shape, b.segments
+      ('dim4_float32', (16, 4), ((0, 10, 'user'), (10, 6, 'item')))
     """
 
     name: str

@@ -211,7 +211,18 @@ class ShardingPlan:
         }
 
     def memory_per_device(self) -> list[int]:
-        """Bytes of table (and estimated state) on each device of the axis."""
+        """Bytes of table (and estimated state) on each device of the axis.
+
+        Example:
+          >>> import jax, numpy as np, jaxslices as js
+          >>> coll = js.EmbeddingCollection(
+          ...     [js.TableConfig("a", 8, 4), js.TableConfig("b", 12, 4)])
+          >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+          >>> plan = js.ShardingPlan(coll, mesh, "model", {"a": "data_parallel",
+          ...                                               "b": "row_wise"})
+          >>> plan.memory_per_device()  # (8 + 12) rows x (16 + 4 state) bytes
+          [400]
+        """
         out = [0] * self.devices
         for p in self.tables.values():
             if p.kind == "table_wise":
@@ -257,6 +268,18 @@ class ShardingPlan:
 
         ``params`` must be readable on this host (a multi-host caller first
         gathers them, e.g. ``multihost_utils.process_allgather``).
+
+        Example:
+          >>> import jax, numpy as np, jaxslices as js
+          >>> coll = js.EmbeddingCollection(
+          ...     [js.TableConfig("a", 8, 4), js.TableConfig("b", 12, 4)])
+          >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+          >>> plan = js.ShardingPlan(coll, mesh, "model", {"a": "table_wise",
+          ...                                               "b": "row_wise"})
+          >>> params = coll.init(jax.random.key(0))
+          >>> back = plan.unshard(plan.shard(params))  # a round trip
+          >>> bool(np.array_equal(back["dim4_float32"], params["dim4_float32"]))
+          True
         """
         host = {k: np.asarray(jax.device_get(v)) for k, v in params.items()}
         tables = {}
