@@ -57,6 +57,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "densify-crossover": ("2026-11-cpu/step_bench_crossover_cpu.json",),
     "design-typed-cost": ("2026-11-cpu/typed_indices_cost_cpu.json",),
     "design-checks-cost": ("2026-11-cpu/checks_cost_cpu.json",),
+    "design-check-dispatch": ("2026-11-cpu-checks/check_dispatch_cpu.json",),
     "optimizer-floor": ("2026-11-cpu-floor-quiet/optimizer_floor_bench_cpu.json",),
     "collections-dlrm": (
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu.json",
@@ -291,6 +292,32 @@ def design_typed_cost() -> str:
         + ", ".join(f"{med[c]['clip']:.2f}x ({c})" for c in med)
         + "."
     )
+    return "\n".join(lines) + "\n"
+
+
+def design_check_dispatch() -> str:
+    """docs/design.md: a check as a pure callback vs as an effect (dispatch)."""
+    (name,) = SOURCES["design-check-dispatch"]
+    d = load(name)
+    env, w = d["environment"], d["workload"]
+    lines = [
+        f"Measured on {env['nproc']} shared CPU cores ({env['cpu']}), jax "
+        f"{env['jax']}, `benchmarks/results/{name}` (`{d['command']}`): median "
+        f"of {w['steps'] * w['passes']} calls per variant, variants taking turns "
+        "in one process. `scatter`: a 64-row scatter-add into a donated "
+        f"(1024, 8) table; `clip_sgd`: `clip_by_global_norm(max_distinct="
+        f"{w['clip_sgd']['max_distinct']})` + `sgd`, a lookup model with "
+        f"V = {w['clip_sgd']['num_rows']:,}, D = {w['clip_sgd']['dim']}, "
+        f"{w['clip_sgd']['batch']} x {w['clip_sgd']['bag']} ids, donated.",
+        "",
+        "| step | check | median per call | vs pure | extra per call |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in d["rows"]:
+        lines.append(
+            f"| `{r['step']}` | `{r['check']}` | {r['median_ms'] * 1e3:.1f} us | "
+            f"{r['ratio_to_pure']:.2f}x | {r['extra_us']:+.1f} us |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -579,6 +606,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "collections-batch": collections_batch,
     "results-sources": results_sources,
     "design-checks-cost": design_checks_cost,
+    "design-check-dispatch": design_check_dispatch,
     "readme-demo": readme_demo,
     "examples-movielens": examples_movielens,
     "design-typed-cost": design_typed_cost,

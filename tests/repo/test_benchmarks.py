@@ -269,3 +269,21 @@ def test_dlrm_bench_smoke(bench, tmp_path):
     saved = json.loads((tmp_path / "dlrm_bench_cpu_linear_b16.json").read_text())
     assert saved["time_over_collection"] == report["time_over_collection"]
     assert saved["tables"] == 4 and "torchrec" not in saved
+
+
+def test_check_dispatch_smoke(bench, tmp_path):
+    check_dispatch = bench("check_dispatch")
+    report = check_dispatch.main(
+        steps=2, passes=1, num_rows=256, dim=4, batch=8, bag=2, out=str(tmp_path)
+    )
+    got = {(r["step"], r["check"]) for r in report["rows"]}
+    assert got == {
+        ("scatter", "no_check"),
+        ("scatter", "pure"),
+        ("scatter", "effect"),
+        ("clip_sgd", "pure"),
+        ("clip_sgd", "effect"),
+    }
+    assert all(r["median_ms"] > 0 for r in report["rows"])
+    saved = json.loads((tmp_path / "check_dispatch_cpu.json").read_text())
+    assert saved["workload"]["clip_sgd"]["max_distinct"] >= 1
