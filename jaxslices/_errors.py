@@ -131,9 +131,12 @@ def _fire(
         # dead code only when nothing uses the guarded arrays.
         out = jax.ShapeDtypeStruct(pred.shape, jnp.int32)
         check = functools.partial(_host_token, error)
-        return jax.pure_callback(
+        token = jax.pure_callback(
             check, out, pred, *payload, vmap_method="broadcast_all"
         )
+        # Inside shard_map (check_vma) a callback's result is not varying;
+        # the other branch's is, like pred: add a zero that varies like pred.
+        return token + jnp.zeros_like(pred, jnp.int32)
 
     def passed(pred, *payload):
         del payload
