@@ -349,7 +349,8 @@ def _run_child(tree: str, args: dict[str, Any]) -> dict[str, Any]:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([tree, str(HERE)]),
-        "JAX_PLATFORMS": "cpu",
+        # this process's platform choice (unset: JAX's default, a GPU if any)
+        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", ""),
     }
     code = (
         "import json, optimizer_floor_bench as b\n"

@@ -19,13 +19,17 @@ devices; ``tests/scale/test_errors.py``):
   the message: catch both around the jitted call and
   ``jax.block_until_ready`` of its result. A pure callback is no JAX effect,
   so a step with checks keeps JAX's C++ dispatch path (an effect would cost
-  about 0.3 ms of Python per call: 15-25% of a 1-2 ms CPU optimizer step,
-  measured with ``benchmarks/optimizer_floor_bench.py``). Like Equinox's
+  0.14-0.25 ms of Python per call on CPU, ``benchmarks/check_dispatch.py``;
+  a 1-2 ms CPU optimizer step with a ``max_distinct`` bound gains 5-15%). Like
+  Equinox's
   ``error_if``, the check then runs when something uses its result: callers
   guard what the step goes on to use. ``always=True`` (the public
   :func:`jaxslices.check_ids`, whose result a user may drop) is a
   ``jax.debug.callback`` instead, an effect kept even when the result is
-  unused.
+  unused. Either callback needs JAX's CPU backend: with
+  ``JAX_PLATFORMS=cuda`` (no ``cpu``) a failing check raises JAX's own
+  ``RuntimeError`` ("failed to find a local CPU device", seen on JAX 0.11.2
+  on a GPU) instead of the message, though it still stops the step.
 * **Over a mesh** a callback that raises on one device only leaves the others
   waiting in the step's next collective: measured, the process aborts after
   the collective's rendezvous timeout (SIGABRT, no Python exception). Under

@@ -59,6 +59,16 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "design-checks-cost": ("2026-11-cpu/checks_cost_cpu.json",),
     "design-check-dispatch": ("2026-11-cpu-checks/check_dispatch_cpu.json",),
     "optimizer-floor": ("2026-11-cpu-floor-quiet/optimizer_floor_bench_cpu.json",),
+    "optimizer-floor-gpu": (
+        "2026-11-gpu-h200/optimizer_floor_bench_gpu.json",
+        "2026-11-gpu-h200/optimizer_floor_bench_cpu_xeon16.json",
+    ),
+    "collections-gpu": (
+        "2026-11-gpu-h200/dlrm_bench_gpu.json",
+        "2026-11-gpu-h200/dlrm_bench_gpu_run2.json",
+        "2026-11-gpu-h200/dlrm_bench_gpu_linear.json",
+        "2026-11-gpu-h200/dlrm_bench_gpu_linear_b512.json",
+    ),
     "collections-dlrm": (
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu.json",
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_run2.json",
@@ -292,6 +302,86 @@ def design_typed_cost() -> str:
         + ", ".join(f"{med[c]['clip']:.2f}x ({c})" for c in med)
         + "."
     )
+    return "\n".join(lines) + "\n"
+
+
+#: Issue 21's goal on a GPU: every optimizer within this of the floor's SGD.
+GPU_FLOOR_GOAL = 1.2
+
+
+def optimizer_floor_gpu() -> str:
+    """docs/optax.md: the optimizer-floor benchmark on a GPU (and its host CPU)."""
+    gpu_name, cpu_name = SOURCES["optimizer-floor-gpu"]
+    g, c = load(gpu_name), load(cpu_name)
+    env = g["environment"]
+    big = max(g["summary"]["vs"])
+    lines = [
+        f"Measured on one {env['device']} (jax {env['jax']}, the newest JAX that "
+        "machine holds), `benchmarks/results/"
+        f"{gpu_name}`: `python benchmarks/optimizer_floor_bench.py --trees . "
+        f"--labels new --repeats {g['repeats']} --out <folder>`, {g['repeats']} "
+        "runs; each cell the median over the runs of (median step time / the "
+        "floor's SGD step time), in one process.",
+        "",
+        g["table"],
+        "",
+        f"Goal on a GPU: every optimizer within {GPU_FLOOR_GOAL}x of the floor's "
+        f"SGD at V = {_rows_label(int(big))} (the better of the two jaxslices "
+        "columns):",
+        "",
+    ]
+    for row in g["summary"]["rows"]:
+        if row["num_rows"] != big or row["optimizer"] == "sgd":
+            continue
+        best = min(
+            x
+            for x in (row.get("new/bounded"), row.get("new/jaxslices"))
+            if x is not None
+        )
+        met = "met" if best <= GPU_FLOOR_GOAL else "missed"
+        lines.append(f"- {row['optimizer']}: {best:.2f}x, {met}")
+    cenv = c["environment"]
+    lines += [
+        "",
+        f"The same benchmark on that machine's CPU ({cenv['nproc']} cores, "
+        f"{cenv['cpu']}, jax {cenv['jax']}, one run, `benchmarks/results/"
+        f"{cpu_name}`):",
+        "",
+        c["table"],
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def collections_gpu() -> str:
+    """docs/collections.md: the DLRM benchmark on a GPU."""
+    files = SOURCES["collections-gpu"]
+    runs = [(f, load(f)) for f in files]
+    env = runs[0][1]["environment"]
+    lines = [
+        f"Measured on one {env['device']}, jax {env['jax']} (no TorchRec there). "
+        "Each cell: median ms per step, and its ratio to the collection "
+        "(`KeyedJaggedIds`) of the same run; 26 tables, "
+        f"{runs[0][1]['rows']:,} rows x {runs[0][1]['settings']['dim']}, "
+        "row-wise Adagrad. Columns:",
+        "",
+    ]
+    for i, (f, d) in enumerate(runs):
+        s = d["settings"]
+        what = "DLRM step" if s["head"] == "dlrm" else "sparse part (linear head)"
+        lines.append(f"{i + 1}. {what}, batch {s['batch']} (`{Path(f).name}`)")
+    lines += ["", "| path | " + " | ".join(str(i + 1) for i in range(len(runs))) + " |"]
+    lines.append("| --- |" + " --- |" * len(runs))
+    for p, label in _DLRM_PATHS.items():
+        cells = []
+        for _, d in runs:
+            m, base = d["paths"].get(p), d["paths"]["collection"]["median_ms"]
+            cells.append(
+                "-"
+                if m is None
+                else f"{m['median_ms']:.2f} ({m['median_ms'] / base:.2f}x)"
+            )
+        if any(c != "-" for c in cells):
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -607,6 +697,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "results-sources": results_sources,
     "design-checks-cost": design_checks_cost,
     "design-check-dispatch": design_check_dispatch,
+    "optimizer-floor-gpu": optimizer_floor_gpu,
+    "collections-gpu": collections_gpu,
     "readme-demo": readme_demo,
     "examples-movielens": examples_movielens,
     "design-typed-cost": design_typed_cost,
