@@ -130,9 +130,9 @@ def _fire(
             jax.debug.callback(functools.partial(_host_check, error), pred, *payload)
             return pred.astype(jnp.int32)  # 0 where the check passed (under vmap)
         # A pure callback: no effect, so the step keeps JAX's C++ dispatch
-        # path (an effect costs about 0.3 ms of Python per call, measured on
-        # CPU). Its result is the token every use of the guard depends on:
-        # dead code only when nothing uses the guarded arrays.
+        # path (an effect costs 0.14-0.25 ms of Python per call on CPU,
+        # benchmarks/check_dispatch.py). Its result is the token every use of
+        # the guard depends on: dead code only when nothing uses the guards.
         out = jax.ShapeDtypeStruct(pred.shape, jnp.int32)
         check = functools.partial(_host_token, error)
         token = jax.pure_callback(
