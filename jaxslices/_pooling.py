@@ -144,6 +144,22 @@ def lookup(
     )
 
 
+def per_feature(
+    pooled: Mapping[str, tuple[list[str], jax.Array]], batch_major: bool
+) -> dict[str, jax.Array]:
+    """``{feature: [B, dim]}`` from :func:`lookup`'s pooled buffers.
+
+    One split per buffer, not a slice per feature: the transpose of a split is
+    one concatenate, that of ``F`` slices ``F`` padded copies summed.
+    """
+    axis = 1 if batch_major else 0
+    out = {}
+    for names, x in pooled.values():
+        parts = jax.lax.split(x, (1,) * len(names), axis=axis)
+        out.update({n: jnp.squeeze(p, axis) for n, p in zip(names, parts, strict=True)})
+    return out
+
+
 def _missing(coll: Any, keys: Any) -> None:
     missing = [f for f in coll.features if f not in keys]
     if missing:

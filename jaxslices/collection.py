@@ -393,12 +393,7 @@ class EmbeddingCollection:
             check_ids=check_ids,
             batch_major=False,
         )
-        out = dict(seqs)
-        for names, x in pooled.values():
-            # one split, not a slice per feature: the transpose of a split is
-            # one concatenate, that of F slices F padded copies summed
-            parts = jax.lax.split(x, (1,) * len(names))
-            out.update({n: p[0] for n, p in zip(names, parts, strict=True)})
+        out = {**seqs, **_pooling.per_feature(pooled, batch_major=False)}
         return {f: out[f] for f in self.features}
 
     def concat(
@@ -441,10 +436,7 @@ class EmbeddingCollection:
         if len(pooled) == 1:
             ((_, x),) = pooled.values()
             return x.reshape(x.shape[0], -1)
-        cols = {}
-        for names, x in pooled.values():
-            parts = jax.lax.split(x, (1,) * len(names), axis=1)
-            cols.update({n: p[:, 0] for n, p in zip(names, parts, strict=True)})
+        cols = _pooling.per_feature(pooled, batch_major=True)
         return jnp.concatenate([cols[f] for f in self.features], axis=1)
 
     # -- per-table hyperparameters -------------------------------------------

@@ -330,14 +330,7 @@ class ShardingPlan:
         )
         if kwargs:
             raise TypeError(f"ShardingPlan: unexpected arguments {sorted(kwargs)}.")
-        out = dict(seqs)
-        axis = 1 if batch_major else 0
-        for names, x in pooled.values():
-            parts = jax.lax.split(x, (1,) * len(names), axis=axis)
-            out.update(
-                {n: jnp.squeeze(p, axis) for n, p in zip(names, parts, strict=True)}
-            )
-        return out
+        return {**seqs, **_pooling.per_feature(pooled, batch_major)}
 
     # -- per-table hyperparameters -------------------------------------------
     def scale_by_table(self, factors: Mapping[str, Any], *, default: Any = 1.0):
