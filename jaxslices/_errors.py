@@ -20,10 +20,9 @@ devices; ``tests/scale/test_errors.py``):
   ``jax.block_until_ready`` of its result. A pure callback is no JAX effect,
   so a step with checks keeps JAX's C++ dispatch path (an effect would cost
   0.14-0.25 ms of Python per call on CPU, ``benchmarks/check_dispatch.py``;
-  a 1-2 ms CPU optimizer step with a ``max_distinct`` bound gains 5-15%). Like
-  Equinox's
-  ``error_if``, the check then runs when something uses its result: callers
-  guard what the step goes on to use. ``always=True`` (the public
+  a 1-2 ms CPU optimizer step with a ``max_distinct`` bound gains 5-15%).
+  Like Equinox's ``error_if``, the check then runs when something uses its
+  result: callers guard what the step goes on to use. ``always=True`` (the public
   :func:`jaxslices.check_ids`, whose result a user may drop) is a
   ``jax.debug.callback`` instead, an effect kept even when the result is
   unused. Either callback needs JAX's CPU backend: with
@@ -201,7 +200,8 @@ def raise_if(
 
     Raises:
       The exception ``error`` builds, eagerly; under ``jit``,
-      ``jax.errors.JaxRuntimeError`` carrying its message, on every process.
+      ``jax.errors.JaxRuntimeError`` (``ValueError`` on later calls of a
+      compiled step) carrying its message, on every process.
 
     Example:
       >>> import jax, jax.numpy as jnp

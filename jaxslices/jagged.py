@@ -218,7 +218,8 @@ def jagged_from_lengths(
     Raises:
       ValueError: a negative length, or ``sum(lengths)`` more than
         ``max_total`` or than the ``n`` ids given (eagerly; under ``jit``
-        ``jax.errors.JaxRuntimeError`` with this message when the step runs).
+        ``jax.errors.JaxRuntimeError``, or ``ValueError`` on later calls, with
+        this message when the step runs).
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -287,7 +288,8 @@ def jagged_from_padded(
 
     Raises:
       ValueError: more non-padding ids than ``max_total`` (eagerly; under
-        ``jit`` ``jax.errors.JaxRuntimeError`` when the step runs).
+        ``jit`` ``jax.errors.JaxRuntimeError``, or ``ValueError`` on later
+        calls, when the step runs).
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
