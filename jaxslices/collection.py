@@ -435,7 +435,7 @@ class EmbeddingCollection:
         )
         if len(pooled) == 1:
             ((_, x),) = pooled.values()
-            return x.reshape(x.shape[0], -1)
+            return x.reshape(x.shape[0], math.prod(x.shape[1:]))  # a batch may be 0
         cols = _pooling.per_feature(pooled, batch_major=True)
         return jnp.concatenate([cols[f] for f in self.features], axis=1)
 

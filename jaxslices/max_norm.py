@@ -75,7 +75,8 @@ def check_max_norm(max_norm: Any, norm_type: Any, where: str) -> None:
 
 def _norms(rows: jax.Array, norm_type: float) -> jax.Array:
     """The ``norm_type``-norm of each row (``rows [N, ...]``), in float32 or wider."""
-    x = jnp.abs(rows.reshape(rows.shape[0], -1).astype(_coalesce.sum_dtype(rows.dtype)))
+    flat = rows.reshape(rows.shape[0], math.prod(rows.shape[1:]))  # no -1: N may be 0
+    x = jnp.abs(flat.astype(_coalesce.sum_dtype(rows.dtype)))
     if math.isinf(norm_type):
         return jnp.max(x, axis=1, initial=0)
     if norm_type == 2:

@@ -43,6 +43,7 @@ bounds, so they are dropped by scatters and filled by gathers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -423,7 +424,7 @@ def rowwise_update(
         # in each: XLA:CPU gathers and scatters such rows several times
         # faster than (1, k, *row) slices (measured: docs/design.md).
         flat = tuple(
-            x.reshape(x.shape[0], -1) if k else x
+            x.reshape(x.shape[0], math.prod(x.shape[1:])) if k else x
             for x, (*_, k) in zip(st, entries, strict=True)
         )
         row_shape = tuple(shape or g.shape)[1:]  # of each packed state
@@ -437,7 +438,11 @@ def rowwise_update(
 
         def join(parts, x):
             dtype = jnp.result_type(x)
-            rows_ = [jnp.asarray(q).reshape(q.shape[0], -1) for q in parts]
+            # Explicit sizes: a zero-row gradient has no -1 to infer.
+            rows_ = [
+                jnp.asarray(q).reshape(q.shape[0], math.prod(q.shape[1:]))
+                for q in parts
+            ]
             return jnp.concatenate([_store_as(q, dtype) for q in rows_], axis=1)
 
         upd, new = run(c.values, tuple(rows(f, c) for f in flat), p_rows, split, join)
