@@ -71,6 +71,16 @@ __all__ = [
     "version_in",
     "vmap_route",
     "wrap_key_full_rule",
+    "Primitive",
+    "mlir",
+    "primitive_batchers",
+    "primitive_jvps",
+    "is_batched",
+    "instantiate_zeros",
+    "is_symbolic_zero",
+    "lowering_is_per_device",
+    "operands_varying",
+    "native_out_aval",
 ]
 
 # ------------------------------------------------------------------ versions
@@ -263,6 +273,40 @@ ENTRIES: tuple[Entry, ...] = (
         "raising on every device inside `shard_map` (a hang instead of an "
         "error when one device fails)",
     ),
+    Entry(
+        "ffi_primitive",
+        "`jax.extend.core.Primitive`, `jax.interpreters.mlir` (`register_lowering`, "
+        "`lower_fun`), `jax.interpreters.batching.primitive_batchers`, "
+        "`jax.interpreters.ad` (`primitive_jvps`, `instantiate_zeros`, `Zero`), "
+        "`jax.ffi.ffi_lowering`",
+        "the native CPU kernels are primitives: a custom call on one CPU device, "
+        "their XLA reference elsewhere, under `vmap` and under differentiation",
+        "0.10.2, 0.12.0.1",
+        "no native path: every step runs on XLA (correct, slower on CPU)",
+        "the native CPU kernels",
+    ),
+    Entry(
+        "lowering_context",
+        "`ctx.module_context.axis_context` of a lowering rule and "
+        "`jax._src.sharding_impls` (`ShardingContext.num_devices`, "
+        "`SPMDAxisContext.manual_axes`)",
+        "a native kernel runs where each device computes on its own data: one "
+        "device, or inside `shard_map` with every mesh axis manual; a step "
+        "partitioned by `jit` over several devices lowers the XLA reference",
+        "0.10.2, 0.12.0.1",
+        "the XLA reference everywhere (never a kernel on a partitioned step)",
+        "the native CPU kernels",
+    ),
+    Entry(
+        "manual_axis_avals",
+        "`jax._src.core` (`ShapedArray(..., sharding=, manual_axis_type=)`, "
+        "`ManualAxisType`, `get_cur_mesh_sharding`), an aval's `.mat.varying`",
+        "inside `shard_map(check_vma=True)` the outputs of a native op vary "
+        "over the mesh axes its operands vary over",
+        "0.10.2, 0.12.0.1",
+        "operands that vary over mesh axes: the XLA path (decided at trace time)",
+        "native kernels inside `shard_map` with device-varying operands",
+    ),
 )
 
 _HEADER = ("entry", "JAX names", "why", "versions checked", "fallback", "breaks")
@@ -321,6 +365,46 @@ def _experimental_shard_map() -> Any | None:
     return f
 
 
+try:  # the native kernels' primitives (semi-public JAX: jax.interpreters)
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad as _ad
+    from jax.interpreters import mlir
+    from jax.interpreters.batching import primitive_batchers
+
+    primitive_jvps = _ad.primitive_jvps
+    _FFI_OK = all(
+        hasattr(m, n)
+        for m, n in [
+            (mlir, "register_lowering"),
+            (mlir, "lower_fun"),
+            (_ad, "instantiate_zeros"),
+            (_ad, "Zero"),
+            (jax.ffi, "ffi_lowering"),
+        ]
+    )
+except Exception:  # pragma: no cover - a JAX without these
+    Primitive = mlir = primitive_batchers = primitive_jvps = None
+    _FFI_OK = False
+
+try:
+    from jax._src import sharding_impls as _sharding_impls
+
+    _CTX_OK = hasattr(_sharding_impls, "ShardingContext") and hasattr(
+        _sharding_impls, "SPMDAxisContext"
+    )
+except Exception:  # pragma: no cover
+    _CTX_OK = False
+
+_MAT_OK = (
+    all(
+        hasattr(_core, n)
+        for n in ("ManualAxisType", "get_cur_mesh_sharding", "ShapedArray")
+    )
+    if _VMAP_OK
+    else False
+)
+
+
 #: Whether each entry's JAX names are there. Read at call time; tests switch
 #: an entry off with ``monkeypatch.setitem(AVAILABLE, name, False)``.
 AVAILABLE: dict[str, bool] = {
@@ -336,6 +420,9 @@ AVAILABLE: dict[str, bool] = {
     "key_impl_names": True,  # structural checks in register_key_impl_names
     "key_full_rule": True,  # structural checks in wrap_key_full_rule
     "manual_axes": hasattr(jax.sharding, "get_abstract_mesh"),
+    "ffi_primitive": _FFI_OK,
+    "lowering_context": _CTX_OK,
+    "manual_axis_avals": _MAT_OK,
 }
 
 assert set(AVAILABLE) == {e.name for e in ENTRIES}
@@ -662,3 +749,80 @@ def wrap_key_full_rule(dtypes: tuple[Any, ...], wrap: Callable) -> bool:
         return True
     except Exception:  # noqa: BLE001 - never break `import jaxslices`
         return False
+
+
+# ------------------------------------------------------ native primitives
+
+
+def is_batched(x: Any) -> bool:
+    """Whether ``x`` is being batched by ``jax.vmap`` (entry ``vmap_internals``).
+
+    Unknown (entry unavailable): ``False``; a batched operand of a native op
+    then reaches its batching rule, which runs the XLA reference (correct).
+    """
+    return AVAILABLE["vmap_internals"] and isinstance(x, _BatchTracer)
+
+
+def instantiate_zeros(t: Any) -> Any:
+    """A JVP tangent with symbolic zeros made arrays (entry ``ffi_primitive``)."""
+    return _ad.instantiate_zeros(t)
+
+
+def is_symbolic_zero(t: Any) -> bool:
+    """Whether a JVP tangent is a symbolic zero (entry ``ffi_primitive``)."""
+    return isinstance(t, _ad.Zero)
+
+
+def lowering_is_per_device(ctx: Any) -> bool:
+    """Whether a lowering rule emits code that runs on one device's own data.
+
+    Entry ``lowering_context``: ``True`` for a computation on one device and
+    inside ``shard_map`` with every mesh axis manual; ``False`` for a ``jit``
+    partitioned over several devices (XLA's partitioner would treat a custom
+    call as replicated and gather its operands whole), for partly manual
+    meshes, and whenever the context is unknown.
+    """
+    if not AVAILABLE["lowering_context"]:
+        return False
+    ac = getattr(getattr(ctx, "module_context", None), "axis_context", None)
+    if isinstance(ac, _sharding_impls.ShardingContext):
+        return ac.num_devices == 1
+    if isinstance(ac, _sharding_impls.SPMDAxisContext):
+        names = frozenset(getattr(ac.mesh, "axis_names", ()))
+        return bool(names) and frozenset(ac.manual_axes) == names
+    return False
+
+
+def operands_varying(avals: Any) -> frozenset | None:
+    """The mesh axes any of ``avals`` varies over (``None``: unknown)."""
+    out: frozenset = frozenset()
+    for a in avals:
+        mat = getattr(a, "mat", None) or getattr(a, "manual_axis_type", None)
+        if mat is None:
+            continue
+        varying = getattr(mat, "varying", None)
+        if varying is None:
+            return None
+        out |= frozenset(varying)
+    return out
+
+
+def native_out_aval(shape: tuple[int, ...], dtype: Any, avals_in: Any) -> Any:
+    """An output aval of a native op: varying where its operands vary.
+
+    Entry ``manual_axis_avals``. Outside ``shard_map`` (or with
+    ``check_vma=False``): a plain ``ShapedArray``.
+    """
+    varying = operands_varying(avals_in)
+    if not varying:
+        return jax.core.ShapedArray(shape, dtype)
+    if not AVAILABLE["manual_axis_avals"]:
+        raise TypeError(
+            "jaxslices: a native op inside shard_map with device-varying "
+            "operands needs JAX's manual-axis types, which this JAX lacks."
+        )
+    from jax.sharding import PartitionSpec
+
+    sharding = _core.get_cur_mesh_sharding(PartitionSpec(*([None] * len(shape))))
+    mat = _core.ManualAxisType(varying=varying)
+    return _core.ShapedArray(shape, dtype, sharding=sharding, manual_axis_type=mat)

@@ -1,0 +1,65 @@
+"""Native CPU kernels: the embedding bag and its optimizer step, in C++.
+
+XLA's generic gather, sort and scatter ops cost more than the row work of an
+embedding step on a CPU. jaxslices therefore runs the hot parts of a training
+step as C++ kernels called through JAX's foreign function interface
+(``jax.ffi``): the forward bag (gather and pooling), the optimizers'
+coalescing and row-wise rules (duplicate ids summed in a hash table, each
+distinct row and its optimizer state updated once, in place), and the
+in-place update of the table. The API does not change: the same
+``jaxslices.value_and_grad``, layers, transforms, ``optax.chain`` and
+``apply_updates`` take this path by themselves when it is available and the
+step allows it, and the XLA path otherwise (``docs/native.md``).
+
+This module is the user's handle on it:
+
+* :func:`status` / :func:`available`: are the kernels built and loaded?
+  (They are compiled on first use against the installed jaxlib's headers;
+  without a C++ compiler jaxslices says so once and runs on XLA.)
+* :func:`explain`: which path each operation of a step takes, and why.
+* :func:`disabled`: trace a step on the XLA path (``JAXSLICES_NATIVE=0``
+  does it for a whole process).
+"""
+
+from __future__ import annotations
+
+from ._build import KernelsUnavailableWarning, library_path
+from ._build import load as _load
+from ._build import status as _status
+from ._explain import Report, explain
+from ._ops import Decision, disabled
+
+__all__ = [
+    "Decision",
+    "KernelsUnavailableWarning",
+    "Report",
+    "available",
+    "disabled",
+    "explain",
+    "library_path",
+    "status",
+]
+
+
+def available() -> bool:
+    """Build (once, cached) and load the kernels; ``True`` if they run here.
+
+    Example:
+      >>> import jaxslices
+      >>> isinstance(jaxslices.kernels.available(), bool)
+      True
+    """
+    return _load()
+
+
+def status() -> str:
+    """One line: the kernels are loaded (and from where), or why not.
+
+    Example:
+      >>> import jaxslices
+      >>> jaxslices.kernels.status().split(":")[0] in ("loaded", "unavailable",
+      ...     "disabled by JAXSLICES_NATIVE=0")
+      True
+    """
+    _load()
+    return _status()

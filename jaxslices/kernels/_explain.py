@@ -1,0 +1,128 @@
+"""``explain``: which path (native kernel or XLA) each operation of a step takes."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from . import _build
+from ._ops import NATIVE_OPS, Decision
+
+__all__ = ["Report", "explain"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What :func:`explain` found in a step.
+
+    Attributes:
+      decisions: one per jaxslices operation of the step, in trace order:
+        ``op`` (what was called, with the leaf), ``native`` and ``reason``.
+      native_calls: native kernel calls in the lowered step.
+      status: :func:`jaxslices.kernels.status` at the time.
+    """
+
+    decisions: tuple[Decision, ...]
+    native_calls: int
+    status: str
+
+    @property
+    def native(self) -> bool:
+        """``True`` if every jaxslices operation of the step runs natively."""
+        return bool(self.decisions) and all(d.native for d in self.decisions)
+
+    def __str__(self) -> str:
+        lines = [f"native kernels: {self.status}"]
+        if not self.decisions:
+            lines.append("no jaxslices operation with a native kernel in this step")
+        for d in self.decisions:
+            path = "native" if d.native else f"XLA ({d.reason})"
+            lines.append(f"  {d.op}: {path}")
+        lines.append(f"native kernel calls in the compiled step: {self.native_calls}")
+        return "\n".join(lines)
+
+
+def _subjaxprs(value: Any) -> Iterator[Any]:
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _subjaxprs(v)
+        return
+    jaxpr = getattr(value, "jaxpr", None)  # ClosedJaxpr
+    if jaxpr is not None and hasattr(jaxpr, "eqns"):
+        yield jaxpr
+    elif hasattr(value, "eqns"):
+        yield value
+
+
+def _walk(jaxpr: Any) -> Iterator[Any]:
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in _subjaxprs(value):
+                yield from _walk(sub)
+
+
+def _decisions(jaxpr: Any, per_device: bool) -> list[Decision]:
+    out = []
+    for eqn in _walk(jaxpr):
+        name = eqn.primitive.name
+        if name == "jaxslices_xla_path":
+            out.append(Decision(eqn.params["op"], False, eqn.params["reason"]))
+        elif name in NATIVE_OPS:
+            label = eqn.params.get("label") or name
+            if per_device:
+                out.append(Decision(label, True, ""))
+            else:
+                out.append(
+                    Decision(
+                        label,
+                        False,
+                        "the step is compiled for several devices or another "
+                        "platform: the kernel's XLA reference runs",
+                    )
+                )
+    return out
+
+
+def explain(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
+    """Which path each jaxslices operation of ``fun(*args, **kwargs)`` takes.
+
+    ``fun`` is a training step (jitted or not; ``jax.jit``, ``nnx.jit`` and
+    ``eqx.filter_jit`` steps work) and ``args`` what it is called with; it is
+    traced and lowered, not run. Each embedding bag, optimizer transform and
+    update of a table is reported as ``native`` or ``XLA`` with the reason
+    (the kernels are off or unavailable, not a CPU, a dtype the kernels do
+    not take, ``jax.vmap``, a step partitioned over several devices).
+
+    Example:
+      >>> import functools, jax, jax.numpy as jnp, jaxslices as js
+      >>> def loss(p, ids):
+      ...     return js.embedding_bag(p["emb"], ids).sum()
+      >>> tx = js.adagrad(0.1)
+      >>> @functools.partial(jax.jit, donate_argnums=(0, 1))
+      ... def step(p, s, ids):
+      ...     g = js.grad(loss)(p, ids)
+      ...     u, s = tx.update(g, s, p)
+      ...     return js.apply_updates(p, u), s
+      >>> p = {"emb": jnp.ones((8, 4))}
+      >>> report = js.kernels.explain(step, p, tx.init(p), jnp.array([[1, 2]]))
+      >>> report.native == js.kernels.available()
+      True
+    """
+    _build.load()
+    jitted = fun if hasattr(fun, "lower") else jax.jit(fun)
+    if hasattr(jitted, "trace"):
+        jaxpr = jitted.trace(*args, **kwargs).jaxpr
+    else:  # pragma: no cover - wrappers without .trace
+        jaxpr = jax.make_jaxpr(fun)(*args, **kwargs)
+    text = jitted.lower(*args, **kwargs).as_text()
+    calls = len(
+        re.findall(r"custom_call @jaxslices_|call_target_name = \"jaxslices_", text)
+    )
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    decisions = _decisions(jaxpr, per_device=calls > 0)
+    return Report(tuple(decisions), calls, _build.status())

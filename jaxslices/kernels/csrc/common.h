@@ -1,0 +1,216 @@
+// Shared pieces of the jaxslices CPU kernels (XLA FFI handlers).
+//
+// The Python wrappers (jaxslices/kernels/_ops.py) are the contract: they
+// check shapes and dtypes, choose the path and hold the XLA reference of
+// every kernel. The kernels are loops over rows with no policy of their own.
+//
+// A "recipe" describes the rows of a sparse gradient without materialising
+// them: slot s of N holds row  scale * weight[s] * src[bag[s]]  for table row
+// ids[s]; an id outside [0, V) marks a slot that touches nothing. Without a
+// bag array, slot s reads src[s / length] (padded bags of `length` slots) or
+// src[s] (length 0); without weights, weight[s] = 1.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxslices {
+
+namespace ffi = xla::ffi;
+
+// Flags shared by the handlers' "flags" attribute.
+enum Flags : int64_t {
+  kHasBag = 1,         // slot s reads src[bag[s]] (else src[s])
+  kHasWeight = 2,      // slot s is weighted by weight[s]
+  kCoalesced = 4,      // the valid ids are distinct already
+  kWantSumSq = 8,      // report the squared norm of the coalesced rows
+  kNesterov = 16,      // the momentum rules' Nesterov variant
+  kSqrtPower = 32,     // FTRL: the power is 0.5 (a square root)
+  kSumDuplicates = 64,  // apply: sum duplicate ids before writing a row
+  kHasScale = 128       // the bag kernel scales each bag by scale[b]
+};
+
+template <typename Id>
+struct Recipe {
+  const float* src;
+  const Id* ids;
+  const int32_t* bag;    // may be null
+  int64_t length;        // > 0 (and no bag): slot s reads src[s / length]
+  const float* weight;   // may be null
+  float scale;
+  int64_t num_slots;     // N
+  int64_t num_src;       // M, rows of src
+  int64_t row;           // R, floats per row
+
+  // The source row of slot s, or null if the slot reads no row.
+  const float* source(int64_t s) const {
+    int64_t b = bag ? bag[s] : (length > 0 ? s / length : s);
+    if (b < 0 || b >= num_src) return nullptr;
+    return src + b * row;
+  }
+  float factor(int64_t s) const { return weight ? scale * weight[s] : scale; }
+};
+
+// Rows per element count of a buffer: the product of every dimension but the
+// first (1 for a rank-1 buffer).
+inline int64_t RowSize(const ffi::AnyBuffer& b) {
+  auto dims = b.dimensions();
+  int64_t r = 1;
+  for (size_t i = 1; i < dims.size(); ++i) r *= dims[i];
+  return r;
+}
+
+inline int64_t Leading(const ffi::AnyBuffer& b) {
+  auto dims = b.dimensions();
+  return dims.size() == 0 ? 1 : dims[0];
+}
+
+// Open-addressing map from a row id to its slot among the distinct ids, in
+// order of first appearance. Reused between calls (one per thread).
+class IdMap {
+ public:
+  void Reset(int64_t n) {
+    int64_t cap = 16;
+    while (cap < 2 * n) cap <<= 1;
+    if (static_cast<int64_t>(keys_.size()) < cap) {
+      keys_.resize(cap);
+      vals_.resize(cap);
+    }
+    cap_ = cap;
+    mask_ = cap - 1;
+    std::fill(vals_.begin(), vals_.begin() + cap, -1);
+  }
+
+  // The slot of `id`, inserting it as slot `next` if new (then *inserted).
+  int64_t FindOrInsert(int64_t id, int64_t next, bool* inserted) {
+    uint64_t h = static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull;
+    int64_t i = static_cast<int64_t>(h >> 17) & mask_;
+    while (true) {
+      int64_t v = vals_[i];
+      if (v < 0) {
+        keys_[i] = id;
+        vals_[i] = next;
+        *inserted = true;
+        return next;
+      }
+      if (keys_[i] == id) {
+        *inserted = false;
+        return v;
+      }
+      i = (i + 1) & mask_;
+    }
+  }
+
+ private:
+  std::vector<int64_t> keys_;
+  std::vector<int64_t> vals_;
+  int64_t cap_ = 0;
+  int64_t mask_ = 0;
+};
+
+inline IdMap& ThreadIdMap() {
+  thread_local IdMap map;
+  return map;
+}
+
+template <typename T>
+std::vector<T>& ThreadScratch() {
+  thread_local std::vector<T> v;
+  return v;
+}
+
+// acc[0:R] (+)= f * x[0:R]
+inline void Axpy(float* acc, const float* x, float f, int64_t r, bool first) {
+  if (first) {
+    for (int64_t k = 0; k < r; ++k) acc[k] = f * x[k];
+  } else {
+    for (int64_t k = 0; k < r; ++k) acc[k] += f * x[k];
+  }
+}
+
+// Sum the recipe's rows per distinct valid id, in order of first appearance:
+// rows[j] (R floats each) and uids[j] for j < count. Returns count, or -1 if
+// more than `capacity` distinct ids were found (then nothing is written past
+// `capacity`, and `*total` holds the true count).
+template <typename Id>
+int64_t Coalesce(const Recipe<Id>& r, int64_t num_rows, bool coalesced,
+                 int64_t capacity, float* rows, Id* uids, int64_t* total) {
+  int64_t count = 0;
+  bool over = false;
+  if (coalesced) {
+    for (int64_t s = 0; s < r.num_slots; ++s) {
+      Id id = r.ids[s];
+      if (id < 0 || id >= num_rows) continue;
+      const float* x = r.source(s);
+      if (count < capacity) {
+        uids[count] = id;
+        float* acc = rows + count * r.row;
+        if (x) Axpy(acc, x, r.factor(s), r.row, true);
+        else std::memset(acc, 0, sizeof(float) * r.row);
+      } else {
+        over = true;
+      }
+      ++count;
+    }
+  } else {
+    IdMap& map = ThreadIdMap();
+    map.Reset(r.num_slots);
+    for (int64_t s = 0; s < r.num_slots; ++s) {
+      Id id = r.ids[s];
+      if (id < 0 || id >= num_rows) continue;
+      bool inserted;
+      int64_t j = map.FindOrInsert(static_cast<int64_t>(id), count, &inserted);
+      if (inserted) ++count;
+      if (j >= capacity) {
+        over = true;
+        continue;
+      }
+      float* acc = rows + j * r.row;
+      const float* x = r.source(s);
+      if (inserted) {
+        uids[j] = id;
+        if (x) Axpy(acc, x, r.factor(s), r.row, true);
+        else std::memset(acc, 0, sizeof(float) * r.row);
+      } else if (x) {
+        Axpy(acc, x, r.factor(s), r.row, false);
+      }
+    }
+  }
+  *total = count;
+  return over ? -1 : count;
+}
+
+template <typename Id>
+Id* IdData(ffi::AnyBuffer b) {
+  return reinterpret_cast<Id*>(b.untyped_data());
+}
+
+template <typename Id>
+Id* IdData(ffi::Result<ffi::AnyBuffer> b) {
+  return reinterpret_cast<Id*>(b->untyped_data());
+}
+
+inline float* F32(ffi::AnyBuffer b) {
+  return reinterpret_cast<float*>(b.untyped_data());
+}
+
+inline float* F32(ffi::Result<ffi::AnyBuffer> b) {
+  return reinterpret_cast<float*>(b->untyped_data());
+}
+
+inline ffi::Error CheckF32(const ffi::AnyBuffer& b, const char* what) {
+  if (b.element_type() != ffi::DataType::F32) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      std::string("jaxslices kernel: ") + what +
+                          " must be float32");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxslices
