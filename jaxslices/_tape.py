@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 from . import _jax_compat, _strict
+from . import slices as slices_mod
+from .kernels import _ops as kernel_ops
 from .slices import IndexedSlices
 
 trace_state = _jax_compat.trace_state
@@ -49,6 +51,15 @@ class LookupRecord:
     # Mesh axes (inside ``shard_map`` with ``check_vma``) over which the ids
     # vary but the table does not: see ``_varying_axes``.
     axes: tuple[str, ...] = ()
+    # A bag lookup (``Tape.bag``): its tap is the pooled output, of this
+    # shape (``None``: a lookup of rows, tapped per id).
+    pooled: tuple[int, ...] | None = None
+
+    @property
+    def tap_shape(self) -> tuple[int, ...]:
+        return (
+            self.pooled if self.pooled is not None else self.ids_shape + self.row_shape
+        )
 
 
 @dataclasses.dataclass
@@ -69,6 +80,8 @@ class Tape:
     expected: list[LookupRecord] = dataclasses.field(default_factory=list)
     ids: list[Any] = dataclasses.field(default_factory=list)
     rows: list[Any] = dataclasses.field(default_factory=list)  # the gathers
+    # per lookup: a bag's (weight, scale, bag ids) or None (a lookup of rows)
+    bags: list[Any] = dataclasses.field(default_factory=list)
     cursor: int = 0
     # Probe only: read the table through ``stop_gradient`` so that any other use
     # of it shows in the jaxpr. The differentiating pass reads it directly: the
@@ -95,6 +108,60 @@ class Tape:
         if trace_state() == self.state:
             return self._top_level(ks, table, ids, gather)
         return self._below_top(ks, table, ids, gather)
+
+    def bag(self, table: Any, ids: jax.Array, bag: BagLookup) -> Any:
+        """Handle a bag lookup tapped at its pooled output (native path).
+
+        Returns the pooled rows (tapped at the loss's top level), ``None``
+        when no tape is interested in ``table`` (the caller does a plain
+        lookup), or :data:`ROWS` below the top level: the caller then looks
+        the rows up through :meth:`lookup` (which moves lookups under
+        ``vmap`` to the top) and pools them itself.
+
+        ``bag.forward(table)`` computes the pooled rows; the tap's cotangent,
+        the pooled gradient ``G``, stands for the rows' gradient
+        ``weight[s] * (scale * G)[bag(s)]``, which :func:`pack` hands on as
+        a recipe (:mod:`jaxslices.kernels`) without materialising it.
+        """
+        ks = self.leaves_of(table)
+        if not ks or (self.mode == "tap" and not self.sparse_leaves.intersection(ks)):
+            return None
+        if trace_state() != self.state:
+            return ROWS
+        if self.mode == "discover":
+            axes = _varying_axes(ids, table)
+            if axes is None:
+                self.dense.update(ks)
+                return None
+            self.records.append(
+                LookupRecord(
+                    ks[0],
+                    tuple(ids.shape),
+                    tuple(table.shape[1:]),
+                    bag.dtype,
+                    axes,
+                    pooled=bag.pooled_shape,
+                )
+            )
+            return None
+        if self.cursor >= len(self.expected):
+            raise RuntimeError(_NONDETERMINISTIC)
+        rec = self.expected[self.cursor]
+        if (
+            rec.leaf not in ks
+            or rec.ids_shape != tuple(ids.shape)
+            or rec.pooled != bag.pooled_shape
+        ):
+            raise RuntimeError(_NONDETERMINISTIC)
+        tap = self.taps[self.cursor]
+        self.cursor += 1
+        self.ids.append(ids)
+        if self.sever:
+            table = jax.lax.stop_gradient(table)
+        pooled = bag.forward(table)
+        self.rows.append(pooled)
+        self.bags.append((bag.weight, bag.scale, bag.bag))
+        return pooled + tap
 
     def _below_top(self, ks, table, ids, gather):
         """A lookup below the top level: sparse if only ``vmap``s lie between.
@@ -163,6 +230,8 @@ class Tape:
         rec = self.expected[self.cursor]
         if rec.leaf not in ks or rec.ids_shape != tuple(ids.shape):
             raise RuntimeError(_NONDETERMINISTIC)
+        if rec.pooled is not None:  # the earlier passes saw a bag here
+            raise RuntimeError(_NONDETERMINISTIC)
         tap = self.taps[self.cursor]
         self.cursor += 1
         self.ids.append(ids)
@@ -170,7 +239,31 @@ class Tape:
             table = jax.lax.stop_gradient(table)
         rows = gather(table, ids)
         self.rows.append(rows)
+        self.bags.append(None)
         return rows + tap
+
+
+#: What :meth:`Tape.bag` returns below the loss's top level.
+ROWS = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class BagLookup:
+    """A bag lookup as the tape sees it (see :meth:`Tape.bag`).
+
+    ``forward(table)`` gives the pooled rows ``[B, *row]`` in ``dtype``;
+    ``weight`` ``[N]`` and ``scale`` ``[B]`` (or ``None``) in ``dtype``;
+    ``bag`` ``[N]`` the bag of each slot (``None``: padded bags of
+    ``length`` slots).
+    """
+
+    forward: Callable[[Any], Any]
+    pooled_shape: tuple[int, ...]
+    dtype: Any
+    weight: Any
+    scale: Any
+    bag: Any = None
+    length: int = 0
 
 
 _NONDETERMINISTIC = (
@@ -237,7 +330,7 @@ def _varying_axes(ids: Any, table: Any) -> tuple[str, ...] | None:
 
 
 def _zeros_tap(rec: LookupRecord) -> jax.Array:
-    tap = jnp.zeros(rec.ids_shape + rec.row_shape, rec.dtype)
+    tap = jnp.zeros(rec.tap_shape, rec.dtype)
     return _jax_compat.pcast_varying(tap, rec.axes) if rec.axes else tap
 
 
@@ -247,6 +340,12 @@ def lookup(
     """The active tape's version of a lookup, or ``None`` for a plain one."""
     stack = _STATE.stack
     return stack[-1].lookup(table, ids, gather) if stack else None
+
+
+def bag(table: Any, ids: jax.Array, lookup: BagLookup) -> Any:
+    """The active tape's version of a bag lookup (:meth:`Tape.bag`), or ``None``."""
+    stack = _STATE.stack
+    return stack[-1].bag(table, ids, lookup) if stack else None
 
 
 # ------------------------------------------------- the interface value_and_grad uses
@@ -276,9 +375,10 @@ class Plan:
 class Tapped:
     """What :func:`run` hands to :func:`pack`: one entry per recorded lookup."""
 
-    cts: list[Any]  # the taps' cotangents: the rows' gradients
+    cts: list[Any]  # the taps' cotangents: the rows' (or pooled) gradients
     ids: list[Any]  # the ids, in [0, V] (V: padding)
-    rows: list[Any]  # the forward gathers
+    rows: list[Any]  # the forward gathers (pooled rows for a bag)
+    bags: list[Any]  # per lookup: a bag's (weight, scale, bag ids), or None
 
 
 def discover(call: Call, leaves: Sequence[Any], others: Sequence[Any] = ()) -> Plan:
@@ -403,13 +503,13 @@ def run(
     def fn(dense_values, taps):
         out, tape = _run_tapped(call, leaves, plan, dense, dense_values, taps, False)
         value, aux = out if has_aux else (out, None)
-        return value, (aux, tape.ids, tape.rows)
+        return value, (aux, tape.ids, tape.rows, tape.bags)
 
-    (value, (aux, ids, rows)), (g_dense, g_taps) = jax.value_and_grad(
+    (value, (aux, ids, rows, bags)), (g_dense, g_taps) = jax.value_and_grad(
         fn, argnums=(0, 1), has_aux=True
     )([leaves[k] for k in dense], taps)
     g_dense = dict(zip(dense, g_dense, strict=True))
-    return (value, aux), g_dense, Tapped(g_taps, ids, rows)
+    return (value, aux), g_dense, Tapped(g_taps, ids, rows, bags)
 
 
 def pack(plan: Plan, tapped: Tapped, leaves: Sequence[Any]) -> dict[int, IndexedSlices]:
@@ -422,6 +522,9 @@ def pack(plan: Plan, tapped: Tapped, leaves: Sequence[Any]) -> dict[int, Indexed
             [tapped.ids[j] for j in mine],
             [tapped.rows[j] for j in mine],
             tuple(leaves[k].shape),
+            [tapped.bags[j] for j in mine],
+            [plan.records[j] for j in mine],
+            leaves[k].dtype,
         )
         axes = tuple(sorted({a for j in mine for a in plan.records[j].axes}))
         if axes:  # shard_map(check_vma=True): the sum over devices, as slices
@@ -432,7 +535,7 @@ def pack(plan: Plan, tapped: Tapped, leaves: Sequence[Any]) -> dict[int, Indexed
     return out
 
 
-def _pack(cts, ids, rows, shape) -> IndexedSlices:
+def _pack(cts, ids, rows, shape, bags, records, dtype) -> IndexedSlices:
     """Concatenate the taps' cotangents and ids (already in ``[0, V]``).
 
     ``rows`` are the forward gathers of the table (zeros at padding slots).
@@ -443,12 +546,79 @@ def _pack(cts, ids, rows, shape) -> IndexedSlices:
     orders the gather before the scatter, and XLA copies the whole table to
     keep the gather's input alive (``lax.optimization_barrier`` with an unused
     output does not help: XLA drops it before copy insertion).
+
+    A bag lookup's tap is its pooled output: its rows' gradient is made here
+    from the pooled gradient (``weight * (scale * G)[bag]``, the order JAX's
+    own transpose of the pooling computes it in), and the slices also carry
+    it unmade, as a recipe, for the native kernels (:mod:`jaxslices.kernels`).
     """
     num_rows = shape[0]
-    flat_ids = jnp.concatenate([i.reshape(-1) for i in ids])
-    values = jnp.concatenate([r.reshape(-1, *shape[1:]) for r in cts])
-    read = jnp.concatenate([r.reshape(-1, *shape[1:]) for r in rows])
+    parts, pieces = [], []
+    for ct, i, read, bag, rec in zip(cts, ids, rows, bags, records, strict=True):
+        flat_ids = i.reshape(-1)
+        if bag is None:
+            values = ct.reshape(-1, *shape[1:])
+            read = read.reshape(-1, *shape[1:])
+            pieces.append(None)
+        else:
+            values, read, piece = _unpool(ct, read, bag, rec, flat_ids.shape[0])
+            pieces.append(piece)
+        parts.append((flat_ids, values.astype(dtype), read))
+    flat_ids = jnp.concatenate([p[0] for p in parts])
+    values = jnp.concatenate([p[1] for p in parts])
+    read = jnp.concatenate([p[2] for p in parts])
     valid = flat_ids < num_rows  # padding slots (V) get zero values
     mask = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
     values = jnp.where(mask, values, jnp.zeros((), values.dtype) * read)
-    return IndexedSlices(values, flat_ids, shape)
+    out = IndexedSlices(values, flat_ids, shape)
+    recipe = _recipe(pieces, dtype)
+    return out if recipe is None else slices_mod.with_recipe(out, recipe)
+
+
+def _unpool(ct, pooled, bag, rec, num_slots):
+    """A bag's per-slot gradient ``[N, *row]`` (and what it read) from ``G``."""
+    weight, scale, bag_ids = bag
+    g = ct.reshape(-1, *rec.row_shape)  # [B, *row], in the compute dtype
+    if scale is not None:
+        g = g * scale.reshape(scale.shape + (1,) * (g.ndim - 1))
+    expand = (1,) * len(rec.row_shape)
+    if bag_ids is None:  # padded bags: slot s is in bag s // L
+        length = num_slots // max(g.shape[0], 1)
+        per_slot = jnp.repeat(g, length, axis=0, total_repeat_length=num_slots)
+        read = jnp.repeat(
+            pooled.reshape(g.shape), length, axis=0, total_repeat_length=num_slots
+        )
+    else:
+        per_slot = g.at[bag_ids].get(mode="fill", fill_value=0)
+        read = pooled.reshape(g.shape).at[bag_ids].get(mode="fill", fill_value=0)
+        length = 0
+    values = per_slot * weight.reshape(weight.shape + expand)
+    piece = (g, bag_ids, length, weight)
+    return values, jnp.zeros((), read.dtype) * read, piece
+
+
+def _recipe(pieces, dtype) -> Any:
+    """The recipe of concatenated lookups, if every one is a float32 bag."""
+    if any(p is None for p in pieces) or jnp.dtype(dtype) != jnp.float32:
+        return None
+    if any(jnp.dtype(p[0].dtype) != jnp.float32 for p in pieces):
+        return None
+    if len(pieces) == 1:
+        g, bag_ids, length, weight = pieces[0]
+        return kernel_ops.Recipe(
+            kernel_ops.flat_rows(g), bag=bag_ids, length=length, weight=weight
+        )
+    srcs, bag_arrays, offset = [], [], 0
+    for g, bag_ids, length, weight in pieces:
+        n = weight.shape[0]
+        if bag_ids is None:
+            bag_ids = jnp.arange(n, dtype=jnp.int32) // max(length, 1)
+        valid = (bag_ids >= 0) & (bag_ids < g.shape[0])
+        bag_arrays.append(jnp.where(valid, bag_ids + offset, -1).astype(jnp.int32))
+        srcs.append(kernel_ops.flat_rows(g))
+        offset += g.shape[0]
+    return kernel_ops.Recipe(
+        jnp.concatenate(srcs),
+        bag=jnp.concatenate(bag_arrays),
+        weight=jnp.concatenate([p[3] for p in pieces]),
+    )

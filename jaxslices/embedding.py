@@ -33,6 +33,7 @@ gradient.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Literal
 
 import jax
@@ -42,6 +43,7 @@ import numpy as np
 from . import _ids, _lookup_handlers, _strict, _tape
 from ._ids import check_ids
 from .jagged import JaggedIds, check_jagged, segment_ids, weights_like
+from .kernels import _ops as kernel_ops
 from .max_norm import check_max_norm, renorm_rows
 
 __all__ = ["embedding_lookup", "embedding_bag", "check_ids"]
@@ -328,6 +330,17 @@ def embedding_bag(
         # Padding reads zeros and gets no gradient: send it out of range.
         present = jnp.asarray(present)
         safe = jnp.where(present, safe, num_rows)
+    compute = jnp.dtype(table.dtype if dtype is None else dtype)
+    if (
+        handler is None
+        and max_norm is None
+        and compute == table.dtype
+        and kernel_ops.route(where, table, weights)
+    ):
+        w = present.astype(compute)
+        if weights is not None:
+            w = w * weights.astype(compute)
+        return _native_bag(table, safe, w, segments, combiner, strict)
     rows = _finish(
         _lookup_rows(table, safe, handler, strict), table, max_norm, norm_type, dtype
     )
@@ -340,6 +353,72 @@ def embedding_bag(
     else:
         reduce = functools.partial(_segment_sum, segments=segments)
     return _combine(rows, w, reduce, combiner)
+
+
+def _native_bag(
+    table: jax.Array,
+    safe: jax.Array,
+    w: jax.Array,
+    segments: tuple[jax.Array, int] | None,
+    combiner: str,
+    strict: bool,
+) -> jax.Array:
+    """:func:`embedding_bag` on the native path (:mod:`jaxslices.kernels`).
+
+    One kernel gathers and pools (``bag_forward``); under
+    :func:`jaxslices.value_and_grad` the tap is the pooled output, so the
+    table's gradient is the pooled gradient with the bags' ids and weights
+    (a recipe), never the ``[N, D]`` rows. Same values as the XLA path (the
+    sums are taken in another order: float rounding).
+    """
+    row_shape = tuple(table.shape[1:])
+    if segments is None:
+        lead, length = tuple(safe.shape[:-1]), int(safe.shape[-1])
+        num_bags, bag_ids = math.prod(lead), None
+        reduce = functools.partial(jnp.sum, axis=safe.ndim - 1)
+    else:
+        bag_ids, num_bags = segments
+        bag_ids = jnp.asarray(bag_ids, jnp.int32)
+        lead, length = (num_bags,), 0
+        reduce = functools.partial(_segment_sum, segments=segments)
+    scale = None
+    if combiner != "sum":
+        denom = reduce(w) if combiner == "mean" else jnp.sqrt(reduce(w * w))
+        safe_denom = jnp.where(denom == 0, jnp.ones((), w.dtype), denom)
+        scale = jnp.where(denom == 0, jnp.zeros((), w.dtype), 1 / safe_denom)
+        scale = scale.reshape(-1)
+    flat_ids, flat_w = safe.reshape(-1), w.reshape(-1)
+
+    def forward(t, *, dense_check):
+        out = kernel_ops.bag_forward(
+            t,
+            flat_ids,
+            weight=flat_w,
+            scale=scale,
+            num_bags=num_bags,
+            length=length,
+            bag=bag_ids,
+            strict=strict,
+            dense_check=dense_check,
+        )
+        return out.reshape((num_bags, *row_shape))
+
+    lookup = _tape.BagLookup(
+        functools.partial(forward, dense_check=False),
+        (num_bags, *row_shape),
+        table.dtype,
+        flat_w,
+        scale,
+        bag_ids,
+        length,
+    )
+    out = _tape.bag(table, flat_ids, lookup)
+    if out is _tape.ROWS:  # below the loss's top level (vmap): the rows path
+        rows = _lookup_rows(table, safe, None, strict)
+        return _combine(rows, w, reduce, combiner)
+    if out is None:
+        out = forward(table, dense_check=True)
+    return out.reshape(lead + row_shape)
 
 
 def _segment_sum(x: jax.Array, segments: tuple[jax.Array, int]) -> jax.Array:

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _coalesce, _errors, _ids, _layout, _typed_indices
+from .kernels import _ops as kernel_ops
 
 __all__ = [
     "IndexedSlices",
@@ -167,7 +168,7 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
              [0., 0.]], dtype=float32)
     """
 
-    __slots__ = ("values", "_indices", "dense_shape", "_unique", "_sorted")
+    __slots__ = ("values", "_indices", "dense_shape", "_unique", "_sorted", "_recipe")
     __hash__ = None  # type: ignore[assignment]
     # Make NumPy defer to our reflected operators (np.ndarray + IndexedSlices).
     __array_ufunc__ = None
@@ -210,6 +211,7 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
         self._indices = indices
         self.dense_shape = dense_shape
         self._unique = self._sorted = False
+        self._recipe = None
 
     # -- pytree ---------------------------------------------------------------
     def tree_flatten_with_keys(self):
@@ -428,6 +430,7 @@ def _build(values: Any, typed_indices: Any, dense_shape: tuple[int, ...]):
     out = object.__new__(IndexedSlices)
     out.values, out._indices, out.dense_shape = values, typed_indices, dense_shape
     out._unique = out._sorted = False
+    out._recipe = None
     return out
 
 
@@ -446,6 +449,36 @@ def _with_flags(
     """``s`` recorded as coalesced (see ``IndexedSlices.unique_indices``)."""
     out = _build(s.values, s._indices, s.dense_shape)
     out._unique, out._sorted = bool(unique_indices), bool(indices_sorted)
+    out._recipe = s._recipe  # the same values
+    return out
+
+
+def with_recipe(s: IndexedSlices, recipe: Any) -> IndexedSlices:
+    """``s`` holding ``recipe``: its values, not materialised (native kernels).
+
+    A :class:`jaxslices.kernels._ops.Recipe` says how ``s.values`` are made
+    (for a bag: its pooled gradient, per-id weights and the bag of each id),
+    so that a native kernel reads ``[B, D]`` rows instead of the ``[N, D]``
+    values; under ``jit`` the values XLA would compute for nobody are then
+    dropped. Like the index flags it is not part of the pytree: flattening
+    drops it, which only costs materialising the values. Every operation that
+    makes new values drops it, except a scaling (:func:`scale_values`).
+    """
+    out = _with_flags(s, unique_indices=s._unique, indices_sorted=s._sorted)
+    out._recipe = recipe
+    return out
+
+
+def recipe_of(s: IndexedSlices) -> Any:
+    """``s``'s recipe, or ``None`` (then its values are the rows)."""
+    return s._recipe
+
+
+def scale_values(s: IndexedSlices, values: jax.Array, factor: Any) -> IndexedSlices:
+    """``s`` with ``values`` (which are ``factor * s.values``), recipe scaled too."""
+    out = _replace_values(s, values)
+    if s._recipe is not None and jnp.ndim(factor) == 0:
+        out._recipe = s._recipe.scaled(factor)
     return out
 
 
@@ -787,12 +820,33 @@ def scatter_add(x: jax.Array, s: IndexedSlices) -> jax.Array:
       >>> jaxslices.scatter_add(jnp.zeros(3), s)
       Array([0., 2., 0.], dtype=float32)
     """
+    return _scatter_add(x, s, "scatter_add")
+
+
+def _scatter_add(x: Any, s: IndexedSlices, where: str) -> jax.Array:
+    """:func:`scatter_add`; ``where`` names the caller's leaf for ``explain``.
+
+    On the native path (:mod:`jaxslices.kernels`) a kernel adds the rows in
+    place, reading a bag's pooled gradient directly when the slices carry
+    it, and summing the rows of duplicate ids before writing each row once.
+    """
     # Coalesced slices (distinct valid ids; padding is out of bounds, so
     # dropped) promise XLA unique (and maybe sorted) indices: a cheaper scatter.
     flags = {"unique_indices": s.unique_indices, "indices_are_sorted": s.indices_sorted}
-    x, s = _check_target(x, s, "scatter_add")
+    recipe = _recipe_of(s)
+    x, s = _check_target(x, s, where)
+    if x.ndim >= 1 and kernel_ops.route(where, x, s.values):
+        recipe = recipe or kernel_ops.recipe_of_values(s.values)
+        # The table whole (a reshape in between would make XLA copy it).
+        return kernel_ops.apply(
+            x, recipe, s.indices, coalesced=flags["unique_indices"], label=where
+        )
     values = s.values.astype(x.dtype)
     return x.at[safe_indices(s)].add(values, mode="drop", **flags)
+
+
+def _recipe_of(s: Any) -> Any:
+    return s._recipe if isinstance(s, IndexedSlices) else None
 
 
 def scatter_sub(x: jax.Array, s: IndexedSlices) -> jax.Array:

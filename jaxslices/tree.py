@@ -143,11 +143,18 @@ def tree_map_values(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
     return _map_values("tree_map_values", fn, tree)
 
 
-def _map_values(name: str, fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
+def _map_values(
+    name: str,
+    fn: Callable[[jax.Array], jax.Array],
+    tree: Any,
+    factor: Any = None,
+) -> Any:
     """:func:`tree_map_values`, its errors naming ``jaxslices.<name>``.
 
     The one value-wise map of gradient trees: :func:`tree_map_values` and the
     value-wise transforms (``scale``, ``scale_by_schedule``) use it.
+    ``factor``: a scalar with ``fn(x) == factor * x`` (up to rounding), so
+    slices keep their native recipe, scaled (:func:`jaxslices.slices.scale_values`).
     """
 
     def leaf(path, g):
@@ -169,7 +176,9 @@ def _map_values(name: str, fn: Callable[[jax.Array], jax.Array], tree: Any) -> A
                     "reduce or reshape rows, densify first: "
                     "fn(jaxslices.to_dense(tree))."
                 )
-            return _replace_values(g, values)
+            if factor is None:
+                return _replace_values(g, values)
+            return slices.scale_values(g, values, factor)
         return fn(g)
 
     return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=_is_leaf)

@@ -42,7 +42,7 @@ def _apply_leaf(path: Any, p: Any, u: Any) -> Any:
             "these params?"
         )
     if isinstance(u, IndexedSlices):
-        return slices.scatter_add(p, u)  # lays the rows out on a mesh first
+        return slices._scatter_add(p, u, where)  # lays the rows out on a mesh first
     return (p + u).astype(p.dtype)
 
 

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _coalesce, _jax_compat
+from .. import _coalesce, _jax_compat, _strict
 from . import _build
 
 # Flags of the kernels' "flags" attribute (csrc/common.h).
@@ -108,26 +108,7 @@ class Decision:
     reason: str  # why not native ("" when native)
 
 
-def _recorder() -> list[Decision] | None:
-    return getattr(_LOCAL, "recorder", None)
-
-
-@contextmanager
-def recording() -> Iterator[list[Decision]]:
-    """Collect the decisions of the ops traced inside (see ``explain``)."""
-    before = _recorder()
-    out: list[Decision] = []
-    _LOCAL.recorder = out
-    try:
-        yield out
-    finally:
-        _LOCAL.recorder = before
-
-
 def _record(op: str, reason: str | None) -> None:
-    rec = _recorder()
-    if rec is not None:
-        rec.append(Decision(op, reason is None, reason or ""))
     if reason is not None and _PATH is not None:
         # A marker in the traced jaxpr, so that `explain` finds the decision
         # also in a step traced (and cached by jit) before it was asked.
@@ -151,6 +132,11 @@ def _make_path_marker() -> Any:
 
 
 _PATH = _make_path_marker()
+
+
+def note(op: str, reason: str) -> None:
+    """Record that ``op`` takes the XLA path because of ``reason``."""
+    _record(op, reason)
 
 
 def route(op: str, *arrays: Any, dtypes: tuple[Any, ...] = (jnp.float32,)) -> bool:
@@ -183,6 +169,15 @@ def _why_not(arrays: tuple[Any, ...], dtypes: tuple[Any, ...]) -> str | None:
             return f"a {jnp.dtype(dtype).name} array (the kernels take {names})"
         if _jax_compat.is_batched(x):
             return "inside jax.vmap (the kernels run one problem at a time)"
+        mesh = _jax_compat.abstract_mesh(x)
+        if mesh is not None and mesh.size > 1:
+            kinds = _jax_compat.axis_kinds(mesh)
+            if kinds is None or "Manual" not in kinds:
+                return (
+                    f"an array laid out over a mesh of {mesh.size} devices by jit "
+                    "(the kernels have no partitioning rule; shard_map runs them "
+                    "per device)"
+                )
     if not _build.load():
         return f"the kernels are unavailable: {_build.status()}"
     return None
@@ -208,12 +203,13 @@ class Recipe:
     weight: jax.Array | None = None  # [N] float32
     scale: jax.Array | None = None  # scalar float32
     count: jax.Array | None = None
+    sumsq: jax.Array | None = None  # squared norm of the rows (coalesced)
 
     def scaled(self, factor: Any) -> Recipe:
         """The recipe times a scalar."""
         factor = jnp.asarray(factor, jnp.float32)
         scale = factor if self.scale is None else self.scale * factor
-        return dataclasses.replace(self, scale=scale)
+        return dataclasses.replace(self, scale=scale, sumsq=None)
 
     def values(self, num_slots: int) -> jax.Array:
         """The ``[N, R]`` rows (XLA), padding slots as they are."""
@@ -329,7 +325,8 @@ class NativeOp:
 
 
 def _bag_reference(table, ids, bag, weight, scale, *, flags, length, num_bags, **_):
-    rows = table.at[ids].get(mode="fill", fill_value=0)
+    row_shape = table.shape[1:]
+    rows = flat_rows(table.at[ids].get(mode="fill", fill_value=0))
     if flags & HAS_WEIGHT:
         rows = rows * weight[:, None]
     if length > 0:
@@ -339,12 +336,13 @@ def _bag_reference(table, ids, bag, weight, scale, *, flags, length, num_bags, *
         total = out.at[bag].add(rows, mode="drop", indices_are_sorted=True)
     if flags & HAS_SCALE:
         total = total * scale[:, None]
-    return [total]
+    return [total.reshape((num_bags, *row_shape))]
 
 
 def _bag_abstract(table, ids, bag, weight, scale, *, num_bags, **_):
     avals = (table, ids, bag, weight, scale)
-    return [_jax_compat.native_out_aval((num_bags, table.shape[1]), table.dtype, avals)]
+    shape = (num_bags, *table.shape[1:])
+    return [_jax_compat.native_out_aval(shape, table.dtype, avals)]
 
 
 def _bag_jvp(primals, tangents, **params):
@@ -355,6 +353,8 @@ def _bag_jvp(primals, tangents, **params):
     zero = _jax_compat.is_symbolic_zero
     terms = []
     if not zero(t_table):  # read densely: JAX's dense gradient of the table
+        if params["dense_check"]:
+            _strict.on_dense_lookup(table.shape, params["strict"])
         terms.append(ref(t_table, ids, bag, weight, scale)[0])
     if not zero(t_weight):
         terms.append(ref(table, ids, bag, t_weight, scale)[0])
@@ -386,14 +386,19 @@ def bag_forward(
     length: int = 0,
     bag: jax.Array | None = None,
     label: str = "embedding_bag",
+    strict: bool = False,
+    dense_check: bool = True,
 ) -> jax.Array:
     """``out[b] = scale[b] * sum_{s in b} weight[s] * table[ids[s]]``.
 
-    ``table`` ``[V, R]`` float32; ``ids`` ``[N]`` (an id outside ``[0, V)``
-    adds nothing); bags padded (``length`` slots each, ``N = B * length``) or
-    given per slot (``bag``, sorted; ``num_bags`` marks an unused slot).
+    ``table`` ``[V, *row]`` float32 (out: ``[B, *row]``); ``ids`` ``[N]``
+    (an id outside ``[0, V)`` adds nothing); bags padded (``length`` slots
+    each, ``N = B * length``) or given per slot (``bag``, sorted; ``num_bags`` marks an unused slot).
     Differentiable in ``table`` (densely, as JAX's gather), ``weight`` and
-    ``scale``.
+    ``scale``. ``dense_check``: a dense gradient of the table asks strict
+    mode first (``strict``: the lookup's own switch), as the XLA lookups do;
+    the tape's own lookups (whose table an outer transformation may
+    differentiate) pass ``False``.
     """
     flags = (HAS_WEIGHT if weight is not None else 0) | (
         HAS_SCALE if scale is not None else 0
@@ -411,6 +416,8 @@ def bag_forward(
         num_bags=int(num_bags),
         fallback=None,
         label=label,
+        strict=bool(strict),
+        dense_check=bool(dense_check),
     )
     return out[0]
 
@@ -475,11 +482,15 @@ def _rowwise_reference(
         p_rows = params.at[uids].get(**gather)
     if spec.uses_state:
         state_rows = state.at[uids].get(**gather)
+    if p_rows is not None:
+        p_rows = flat_rows(p_rows)
+    if state_rows is not None:
+        state_rows = flat_rows(state_rows)
     out, new_rows = spec.reference(summed, state_rows, p_rows, hp, spec.cfg)
     valid = (uids < num_rows)[:, None]
     out = jnp.where(valid, out, jnp.zeros((), out.dtype))
     if spec.uses_state:
-        new_rows = new_rows.astype(state.dtype)
+        new_rows = new_rows.astype(state.dtype).reshape((-1, *state.shape[1:]))
         state = state.at[uids].set(new_rows, mode="drop", unique_indices=True)
     return [state, uids, out.astype(jnp.float32), count, sumsq.astype(jnp.float32)]
 
@@ -527,8 +538,11 @@ def rowwise(
 ) -> tuple[jax.Array | None, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Sum a recipe's rows per distinct id, then ``spec``'s rule per row.
 
-    ``state`` ``[V, S]`` and ``params`` ``[V, R]`` (float32, flattened rows)
-    as the rule needs them; ``capacity`` output slots (``<= N``).
+    ``state`` ``[V, *srow]`` and ``params`` ``[V, *row]`` (float32; the
+    kernel and the rule see their rows flattened, ``[V, S]`` and ``[V, R]``,
+    as the reference does) as the rule needs them; ``capacity`` output slots
+    (``<= N``). The state is passed whole, never reshaped: a reshape between
+    a donated buffer and the kernel that writes it in place makes XLA copy it.
 
     Returns ``(new_state, uids [K], rows [K, R], count, sumsq)``: the
     distinct valid ids in order of first appearance then ``num_rows``; the
@@ -543,8 +557,8 @@ def rowwise(
     if want_sumsq:
         flags |= WANT_SUMSQ
     hp_arr = jnp.stack([_f32(h) for h in hp]) if len(hp) else _DUMMY_F32
-    p_arr = params if spec.uses_params else np.zeros((1, 1), np.float32)
-    s_arr = state if spec.uses_state else np.zeros((1, 1), np.float32)
+    p_arr = params if spec.uses_params else np.zeros((1,), np.float32)
+    s_arr = state if spec.uses_state else np.zeros((1,), np.float32)
     st, uids, rows, count, sumsq = _ROWWISE.bind(
         *args[:1],
         ids,
@@ -575,6 +589,7 @@ NATIVE_OPS = frozenset(
 
 def _apply_reference(table, src, ids, bag, weight, scale, *, flags, length, **_):
     values = _materialize(src, ids, bag, weight, scale, flags, length)
+    values = values.reshape((-1, *table.shape[1:]))
     num_rows = table.shape[0]
     safe = jnp.where((ids >= 0) & (ids < num_rows), ids, num_rows)
     unique = bool(flags & COALESCED)
@@ -607,7 +622,7 @@ def apply(
     sum_duplicates: bool = True,
     label: str = "",
 ) -> jax.Array:
-    """``table`` ``[V, R]`` plus the recipe's rows at ``ids``, in place.
+    """``table`` ``[V, *row]`` plus the recipe's rows at ``ids``, in place.
 
     With ``sum_duplicates`` the rows of one id are summed before the row is
     written (each distinct row read and written once).

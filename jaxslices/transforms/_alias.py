@@ -14,7 +14,9 @@ import optax
 from jax.typing import ArrayLike
 
 from .._coalesce import check_method
+from ..kernels import _ops as kernel_ops
 from ._rowwise import (
+    Native,
     ScalarOrSchedule,
     check_max_distinct,
     pack_states,
@@ -453,6 +455,27 @@ def _power(x: jax.Array, k: ArrayLike) -> jax.Array:
     return jnp.power(x, k)
 
 
+def _ftrl_math(g, n, z, p, lr, k, l1, l2, l2_shrinkage, beta, power):
+    """FTRL-proximal on rows: ``(update, new n, new z)`` (Keras 3's formula)."""
+    n_new = n + jnp.square(g)
+    pow_new = power(n_new, k)
+    sigma_p = (pow_new - power(n, k)) / lr * p
+    z_new = z + (g + 2 * l2_shrinkage * p) - sigma_p
+    q = pow_new / lr + 2 * (l2 + beta / (2.0 * lr))
+    p_new = (jnp.clip(z_new, -l1, l1) - z_new) / q
+    return p_new - p, n_new, z_new
+
+
+def _ftrl_native(g, st, p, hp, sqrt_power):
+    r = g.shape[1]
+
+    def power(x, k):
+        return jnp.sqrt(x) if sqrt_power else jnp.power(x, k)
+
+    upd, n, z = _ftrl_math(g, st[:, :r], st[:, r:], p, *hp, power)
+    return upd, jnp.concatenate([n, z], axis=1)
+
+
 def _check_nonnegative(**kwargs: Any) -> None:
     for name, value in kwargs.items():
         if isinstance(value, (int, float)) and value < 0:
@@ -551,6 +574,18 @@ def ftrl(
             f"jaxslices.ftrl: `learning_rate` must be > 0, got {learning_rate}."
         )
 
+    sqrt_power = isinstance(learning_rate_power, (int, float)) and (
+        learning_rate_power == -0.5
+    )
+    spec = kernel_ops.RuleSpec(
+        "ftrl",
+        _ftrl_native,
+        cfg=sqrt_power,
+        uses_state=True,
+        uses_params=True,
+        flags=kernel_ops.SQRT_POWER if sqrt_power else 0,
+    )
+
     def init_fn(params):
         return FtrlState(
             count=jnp.zeros([], jnp.int32),
@@ -568,18 +603,15 @@ def ftrl(
         if callable(learning_rate):
             lr_now = learning_rate(state.count)
 
+        k = -learning_rate_power
+        hp = (lr_now, k, l1, l2, l2_shrinkage, beta)
+
         def rule(g, states, p):
             n, z = states
             lr = jnp.asarray(lr_now, p.dtype)
             g = g.astype(p.dtype)
-            k = -learning_rate_power
-            n_new = n + jnp.square(g)
-            pow_new = _power(n_new, k)
-            sigma_p = (pow_new - _power(n, k)) / lr * p
-            z_new = z + (g + 2 * l2_shrinkage * p) - sigma_p
-            q = pow_new / lr + 2 * (l2 + beta / (2.0 * lr))
-            p_new = (jnp.clip(z_new, -l1, l1) - z_new) / q
-            return p_new - p, (n_new, z_new)
+            upd, n_new, z_new = _ftrl_math(g, n, z, p, lr, *hp[1:], _power)
+            return upd, (n_new, z_new)
 
         updates, (n_z,) = rowwise_update(
             "ftrl",
@@ -589,6 +621,7 @@ def ftrl(
             params,
             method=coalesce_method,
             max_distinct=max_distinct,
+            native=Native(spec, hp),
         )
         count = optax.safe_increment(state.count)
         return updates, FtrlState(count=count, n_z=n_z)

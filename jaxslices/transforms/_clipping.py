@@ -17,7 +17,9 @@ from jax.typing import ArrayLike
 
 from .. import _coalesce
 from .._coalesce import check_method
+from ..kernels import _ops as kernel_ops
 from ._rowwise import (
+    Native,
     abs_sq,
     check_all,
     check_max_distinct,
@@ -65,7 +67,12 @@ def clip(
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         out = rowwise_update(
-            "clip", rule, updates, method=coalesce_method, max_distinct=max_distinct
+            "clip",
+            rule,
+            updates,
+            method=coalesce_method,
+            max_distinct=max_distinct,
+            native=Native(_CLIP_SPEC, (max_delta,)),
         )
         return out[0], state
 
@@ -119,9 +126,23 @@ def clip_by_global_norm(
         def clip_fn(t):
             return jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)
 
-        return map_values("clip_by_global_norm", clip_fn, updates), state
+        # The same factor, for the native recipes of coalesced slices.
+        factor = jnp.where(trigger, 1.0, max_norm / g_norm).astype(jnp.float32)
+        return map_values("clip_by_global_norm", clip_fn, updates, factor), state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
+def _clip_native(g, st, p, hp, cfg):
+    return jnp.clip(g, -hp[0], hp[0]), None
+
+
+def _row_norm_native(g, st, p, hp, cfg):
+    return _row_norm_scale(g, hp[0]), None
+
+
+_CLIP_SPEC = kernel_ops.RuleSpec("clip", _clip_native)
+_ROW_NORM_SPEC = kernel_ops.RuleSpec("row_norm", _row_norm_native)
 
 
 def _row_norm_scale(x: jax.Array, max_norm: ArrayLike) -> jax.Array:
@@ -183,6 +204,7 @@ def clip_by_row_norm(
             updates,
             method=coalesce_method,
             max_distinct=max_distinct,
+            native=Native(_ROW_NORM_SPEC, (max_norm,)),
         )
         return out[0], state
 

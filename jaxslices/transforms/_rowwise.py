@@ -43,16 +43,19 @@ bounds, so they are dropped by scatters and filled by gathers.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from .. import _coalesce, _layout, _leaves, slices
+from .. import _coalesce, _errors, _layout, _leaves, slices
+from ..kernels import _ops as kernel_ops
 from ..slices import IndexedSlices, _replace_values, check_slices
 from ..tree import _map_values
 
@@ -183,14 +186,20 @@ def check_all(name: str, updates: Any) -> None:
     jax.tree_util.tree_map_with_path(leaf, updates, is_leaf=is_leaf)
 
 
-def map_values(name: str, fn: Callable[[jax.Array], jax.Array], updates: Any):
+def map_values(
+    name: str,
+    fn: Callable[[jax.Array], jax.Array],
+    updates: Any,
+    factor: Any = None,
+):
     """Apply ``fn`` to each dense leaf and to the values of each slices leaf.
 
     For value-wise maths (scaling) that needs neither state nor distinct rows:
     slices keep their indices and are not coalesced (:func:`jaxslices.tree_map_values`,
-    its errors naming ``jaxslices.<name>``).
+    its errors naming ``jaxslices.<name>``). ``factor``: the scalar ``fn``
+    multiplies by, if it does, so that slices keep their native recipe.
     """
-    return _map_values(name, lambda x: fn(jnp.asarray(x)), updates)
+    return _map_values(name, lambda x: fn(jnp.asarray(x)), updates, factor)
 
 
 def promises(c: IndexedSlices) -> dict[str, bool]:
@@ -308,12 +317,24 @@ def zeros_like(tree: Any, dtype: Any = None) -> Any:
 def coalesce_all(
     name: str, updates: Any, method: str = "auto", max_distinct: Any = None
 ) -> Any:
-    """Every slices leaf of ``updates`` coalesced (free where it is already)."""
+    """Every slices leaf of ``updates`` coalesced (free where it is already).
+
+    On the native path the kernel also measures the coalesced rows' squared
+    norm (kept in the result's recipe for :func:`global_norm`).
+    """
     bounds = leaf_bounds(name, max_distinct, updates)
 
     def leaf(path, x, bound):
         if not isinstance(x, IndexedSlices):
             return x
+        if not (x.unique_indices and bound is None):
+            done = native_leaf(
+                name, path, x, Native(_COALESCE_SPEC), bound, want_sumsq=True
+            )
+            if done is not None:
+                out, _, sumsq = done
+                recipe = dataclasses.replace(slices.recipe_of(out), sumsq=sumsq)
+                return slices.with_recipe(out, recipe)
         return coalesce_for_update(x, method, bound, where(name, path))
 
     return jax.tree_util.tree_map_with_path(leaf, updates, bounds, is_leaf=is_leaf)
@@ -328,6 +349,10 @@ def global_norm(updates: Any) -> jax.Array:
 
     def sum_sq(x):
         if isinstance(x, IndexedSlices):
+            recipe = slices.recipe_of(x)
+            if recipe is not None and recipe.sumsq is not None:
+                # measured by the native kernel (per shard in a sharded step)
+                return _layout.sum_over_shards(recipe.sumsq)
             values = coalesce_for_update(x).values  # free: coalesced by the caller
             # Row-sharded step (all_to_all): each shard holds its own rows.
             return _layout.sum_over_shards(slices.sum_of_squares(values))
@@ -342,6 +367,87 @@ def global_norm(updates: Any) -> jax.Array:
 StateEntry = tuple[str, Any] | tuple[str, Any, int]
 
 
+def _coalesce_native(g, st, p, hp, cfg):
+    return g, None
+
+
+_COALESCE_SPEC = kernel_ops.RuleSpec("coalesce", _coalesce_native)
+
+
+class Native(NamedTuple):
+    """A rule's native kernel (:mod:`jaxslices.kernels`): its spec and hyperparameters.
+
+    ``hp``: the scalars the kernel and the spec's XLA reference read (traced
+    values welcome, e.g. a schedule's learning rate).
+    """
+
+    spec: kernel_ops.RuleSpec
+    hp: tuple[Any, ...] = ()
+    refuse: str | None = None  # why this configuration takes the XLA path
+
+
+def native_leaf(
+    name: str,
+    path: Any,
+    g: IndexedSlices,
+    native: Native,
+    bound: int | None,
+    state: Any = None,
+    k: int = 0,
+    p: Any = None,
+    *,
+    want_sumsq: bool = False,
+) -> tuple[IndexedSlices, Any, Any] | None:
+    """One sparse leaf through the native row-wise kernel, or ``None`` (XLA).
+
+    The kernel sums the gradient's rows per distinct id (reading a bag's
+    pooled gradient directly, see :func:`jaxslices.slices.with_recipe`),
+    applies the rule to each distinct row and its ``state`` row in place,
+    and returns the update rows on the distinct ids: ``(update, new_state,
+    sumsq)``, the update coalesced (and holding the kernel's raw rows and
+    count as its recipe). ``state`` is packed ``(V, k, *row)`` when ``k``.
+    """
+    label = where(name, path)
+    if native.refuse is not None:
+        kernel_ops.note(label, native.refuse)
+        return None
+    if not kernel_ops.route(label, g.values, state, p):
+        return None
+    n = g.num_slices
+    capacity = n if bound is None else min(bound, n)
+    recipe = slices.recipe_of(g) or kernel_ops.recipe_of_values(g.values)
+    new_state, uids, rows, count, sumsq = kernel_ops.rowwise(
+        recipe,
+        g.indices,
+        num_rows=g.dense_shape[0],
+        spec=native.spec,
+        hp=native.hp,
+        params=p,
+        state=state,
+        capacity=capacity,
+        coalesced=g.unique_indices,
+        want_sumsq=want_sumsq,
+        label=label,
+    )
+    if capacity < n:  # the distinct-row bound: more rows raise, none is dropped
+        rows, uids = _errors.raise_if(
+            count > capacity,
+            (rows, uids),
+            functools.partial(slices._too_many_rows, size=capacity, where=label),
+            count,
+        )
+    valid = (uids < g.dense_shape[0])[:, None]
+    values = jnp.where(valid, rows, jnp.zeros((), rows.dtype))
+    values = values.reshape((capacity, *g.row_shape)).astype(g.dtype)
+    out = slices._with_flags(
+        IndexedSlices(values, uids, g.dense_shape),
+        unique_indices=True,
+        indices_sorted=False,
+    )
+    out = slices.with_recipe(out, kernel_ops.Recipe(rows, count=count))
+    return out, new_state, sumsq
+
+
 def rowwise_update(
     name: str,
     rule: Rule,
@@ -352,6 +458,7 @@ def rowwise_update(
     state_shape: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None,
     method: str = "auto",
     max_distinct: Any = None,
+    native: Native | None = None,
 ) -> tuple[Any, tuple[Any, ...]]:
     """Apply ``rule`` to every leaf of ``updates``: dense whole, sparse by rows.
 
@@ -372,6 +479,9 @@ def rowwise_update(
       max_distinct: the distinct-row bound of sparse leaves (an ``int``, or a
         pytree prefix of ``updates`` with an ``int | None`` per leaf); ``None``:
         one slot per lookup.
+      native: the rule's native kernel, taken for a sparse leaf when
+        :func:`jaxslices.kernels` allow it (:func:`native_leaf`); at most one
+        state tree.
 
     Returns:
       ``(new_updates, new_state_trees)``; a ``None`` update keeps its state.
@@ -417,6 +527,13 @@ def rowwise_update(
         if not isinstance(g, IndexedSlices):
             upd, new = run(g, st, p, unpack, pack)
             return Out(upd, *new)
+        if native is not None and n_trees <= 1:
+            k = entries[0][2] if entries else 0
+            done = native_leaf(
+                name, path, g, native, bound, st[0] if st else None, k, p
+            )
+            if done is not None:
+                return Out(done[0], *([done[1]] if st else []))
         c = coalesce_for_update(g, method, bound, where(name, path))
         p_rows = None if p is None else rows(p, c)
         # A packed (V, k, *row) leaf is gathered and scattered as (V, k * R)

@@ -18,8 +18,10 @@ import optax
 from jax.typing import ArrayLike
 
 from .._coalesce import check_method
+from ..kernels import _ops as kernel_ops
 from ..slices import IndexedSlices
 from ._rowwise import (
+    Native,
     ScalarOrSchedule,
     abs_sq,
     check_all,
@@ -85,7 +87,8 @@ def scale(step_size: ArrayLike) -> optax.GradientTransformationExtraArgs:
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        return map_values("scale", lambda g: step_size * g, updates), state
+        factor = step_size if jnp.ndim(step_size) == 0 else None
+        return map_values("scale", lambda g: step_size * g, updates, factor), state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
 
@@ -127,6 +130,7 @@ def scale_by_schedule(
             "scale_by_schedule",
             lambda g: jnp.array(step_size, dtype=g.dtype) * g,
             updates,
+            step_size if jnp.ndim(step_size) == 0 else None,
         )
         return updates, ScaleByScheduleState(optax.safe_increment(state.count))
 
@@ -215,9 +219,19 @@ def trace(
 
     def rule(g, states, p):
         (t,) = states
-        new_t = g + decay * t
-        upd = g + decay * new_t if nesterov else new_t
+        upd, new_t = _trace_math(g, t, decay, nesterov)
         return upd, (new_t if dtype is None else new_t.astype(dtype),)
+
+    refuse = None
+    if dtype is not None and dtype != jnp.float32:
+        refuse = f"accumulator_dtype={dtype.name} (the kernels keep a float32 trace)"
+    spec = kernel_ops.RuleSpec(
+        "trace",
+        _trace_native,
+        cfg=bool(nesterov),
+        uses_state=True,
+        flags=kernel_ops.NESTEROV if nesterov else 0,
+    )
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -228,10 +242,22 @@ def trace(
             [("state.trace", state.trace)],
             method=coalesce_method,
             max_distinct=max_distinct,
+            native=Native(spec, (decay,), refuse=refuse),
         )
         return updates, TraceState(trace=new_trace)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _trace_math(g, t, decay, nesterov):
+    """Momentum: ``(update, new trace)`` (the one place of this maths)."""
+    new_t = g + decay * t
+    return (g + decay * new_t if nesterov else new_t), new_t
+
+
+def _trace_native(g, st, p, hp, nesterov):
+    """:func:`trace`'s rule on ``[K, R]`` rows, for the native kernel's reference."""
+    return _trace_math(g, st, hp[0], nesterov)
 
 
 # ------------------------------------------------------------ weight decay
@@ -311,7 +337,7 @@ def add_decayed_weights(
         wd = weight_decay(state.count) if scheduled else weight_decay
 
         def rule(g, states, p):
-            return g + wd * p, ()
+            return _decay_math(g, p, wd), ()
 
         def decay(u, p, bound):
             return rowwise_update(
@@ -321,6 +347,7 @@ def add_decayed_weights(
                 params=p,
                 method=coalesce_method,
                 max_distinct=bound,
+                native=Native(_DECAY_SPEC, (wd,)),
             )[0]
 
         if mask is None:
@@ -338,6 +365,18 @@ def add_decayed_weights(
         return updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _decay_math(g, p, wd):
+    """Weight decay: the update plus ``wd * p``."""
+    return g + wd * p
+
+
+def _decay_native(g, st, p, hp, cfg):
+    return _decay_math(g, p, hp[0]), None
+
+
+_DECAY_SPEC = kernel_ops.RuleSpec("decay", _decay_native, uses_params=True)
 
 
 # ---------------------------------------------------------------- adagrad
@@ -390,8 +429,8 @@ def scale_by_rss(
         )
 
     def rule(g, states, p):
-        acc = abs_sq(g) + states[0]
-        return jnp.where(acc > 0, jax.lax.rsqrt(acc + eps), 0.0) * g, (acc,)
+        upd, acc = _rss_math(g, states[0], eps)
+        return upd, (acc,)
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -402,10 +441,24 @@ def scale_by_rss(
             [("state", state.sum_of_squares)],
             method=coalesce_method,
             max_distinct=max_distinct,
+            native=Native(_RSS_SPEC, (eps,)),
         )
         return updates, ScaleByRssState(sum_of_squares=acc)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _rss_math(g, acc, eps):
+    """Adagrad: ``(update, new accumulator)``."""
+    acc = abs_sq(g) + acc
+    return jnp.where(acc > 0, jax.lax.rsqrt(acc + eps), 0.0) * g, acc
+
+
+def _rss_native(g, st, p, hp, cfg):
+    return _rss_math(g, st, hp[0])
+
+
+_RSS_SPEC = kernel_ops.RuleSpec("rss", _rss_native, uses_state=True)
 
 
 class ScaleByRowwiseRssState(NamedTuple):
@@ -476,15 +529,8 @@ def scale_by_rowwise_rss(
         return ScaleByRowwiseRssState(sum_of_squares=jax.tree.map(init_leaf, params))
 
     def rule(g, states, p):
-        (acc,) = states
-        sq = abs_sq(g).astype(acc.dtype)
-        if g.ndim >= 2:
-            sq = jnp.mean(sq, axis=tuple(range(1, g.ndim)))
-        new_acc = acc + sq
-        shape = new_acc.shape + (1,) * (g.ndim - new_acc.ndim)
-        # new_acc == 0 only where g == 0: divide by 1 there (no 0 / 0).
-        denom = jnp.where(new_acc > 0, jnp.sqrt(new_acc) + eps, 1.0)
-        return (g / denom.reshape(shape)).astype(g.dtype), (new_acc,)
+        upd, new_acc = _rowwise_rss_math(g, states[0], eps)
+        return upd, (new_acc,)
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -496,10 +542,33 @@ def scale_by_rowwise_rss(
             state_shape=_rowwise_state_shape,
             method=coalesce_method,
             max_distinct=max_distinct,
+            native=Native(_ROWWISE_RSS_SPEC, (eps,)),
         )
         return updates, ScaleByRowwiseRssState(sum_of_squares=acc)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _rowwise_rss_math(g, acc, eps):
+    """Row-wise Adagrad: ``(update, new accumulator)``, one accumulator per row."""
+    sq = abs_sq(g).astype(acc.dtype)
+    if g.ndim >= 2:
+        sq = jnp.mean(sq, axis=tuple(range(1, g.ndim)))
+    new_acc = acc + sq
+    shape = new_acc.shape + (1,) * (g.ndim - new_acc.ndim)
+    # new_acc == 0 only where g == 0: divide by 1 there (no 0 / 0).
+    denom = jnp.where(new_acc > 0, jnp.sqrt(new_acc) + eps, 1.0)
+    return (g / denom.reshape(shape)).astype(g.dtype), new_acc
+
+
+def _rowwise_rss_native(g, st, p, hp, cfg):
+    upd, acc = _rowwise_rss_math(g, st[:, 0], hp[0])
+    return upd, acc[:, None]
+
+
+_ROWWISE_RSS_SPEC = kernel_ops.RuleSpec(
+    "rowwise_rss", _rowwise_rss_native, uses_state=True
+)
 
 
 # -------------------------------------------------------------- lazy adam
@@ -513,6 +582,24 @@ def _bias_correction(decay: ArrayLike, count: jax.Array) -> jax.Array:
 
 def _debias(moment: jax.Array, correction: jax.Array) -> jax.Array:
     return moment / correction.astype(moment.dtype)
+
+
+def _adam_math(g, m, v, b1, b2, eps, eps_root, bc_mu, bc_nu, bc_mu_next, nesterov):
+    """Adam on rows: ``(update, new first moment, new second moment)``."""
+    mu = optax.tree.update_moment(g, m, b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(g, v, b2, 2)
+    if nesterov:
+        mu_hat = b1 * _debias(mu, bc_mu_next) + (1 - b1) * _debias(g, bc_mu)
+    else:
+        mu_hat = _debias(mu, bc_mu)
+    upd = mu_hat / (jnp.sqrt(_debias(nu, bc_nu) + eps_root) + eps)
+    return upd, mu, nu
+
+
+def _adam_native(g, st, p, hp, nesterov):
+    r = g.shape[1]
+    upd, mu, nu = _adam_math(g, st[:, :r], st[:, r:], *hp, nesterov)
+    return upd, jnp.concatenate([mu, nu], axis=1)
 
 
 class _ScaleByLazyAdamFields(NamedTuple):
@@ -602,6 +689,16 @@ def scale_by_lazy_adam(
     check_method(coalesce_method, "jaxslices.scale_by_lazy_adam")
     check_max_distinct(max_distinct, "scale_by_lazy_adam")
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+    refuse = None
+    if mu_dtype is not None and mu_dtype != jnp.float32:
+        refuse = f"mu_dtype={mu_dtype.name} (the kernels keep float32 moments)"
+    spec = kernel_ops.RuleSpec(
+        "adam",
+        _adam_native,
+        cfg=bool(nesterov),
+        uses_state=True,
+        flags=kernel_ops.NESTEROV if nesterov else 0,
+    )
 
     def init_fn(params):
         def dtype(p):
@@ -621,18 +718,14 @@ def scale_by_lazy_adam(
         bc_mu_next = _bias_correction(b1, optax.safe_increment(count))
         bc_nu = _bias_correction(b2, count)
 
+        hp = (b1, b2, eps, eps_root, bc_mu, bc_nu, bc_mu_next)
+
         def rule(g, states, p):
             m, v = states
             if mu_dtype is not None:
                 # Each moment in its own dtype (the buffer holds the wider).
                 m, v = m.astype(mu_dtype), v.astype(jnp.result_type(g))
-            mu = optax.tree.update_moment(g, m, b1, 1)
-            nu = optax.tree.update_moment_per_elem_norm(g, v, b2, 2)
-            if nesterov:
-                mu_hat = b1 * _debias(mu, bc_mu_next) + (1 - b1) * _debias(g, bc_mu)
-            else:
-                mu_hat = _debias(mu, bc_mu)
-            upd = mu_hat / (jnp.sqrt(_debias(nu, bc_nu) + eps_root) + eps)
+            upd, mu, nu = _adam_math(g, m, v, *hp, nesterov)
             new_mu = mu if mu_dtype is None else mu.astype(mu_dtype)
             return upd, (new_mu, nu.astype(v.dtype))
 
@@ -643,6 +736,7 @@ def scale_by_lazy_adam(
             [("state.mu_nu", state.mu_nu, 2)],
             method=coalesce_method,
             max_distinct=max_distinct,
+            native=Native(spec, hp, refuse=refuse),
         )
         return updates, ScaleByLazyAdamState(count=count, mu_nu=mu_nu)
 
