@@ -393,12 +393,14 @@ def bag_forward(
 
     ``table`` ``[V, *row]`` float32 (out: ``[B, *row]``); ``ids`` ``[N]``
     (an id outside ``[0, V)`` adds nothing); bags padded (``length`` slots
-    each, ``N = B * length``) or given per slot (``bag``, sorted; ``num_bags`` marks an unused slot).
-    Differentiable in ``table`` (densely, as JAX's gather), ``weight`` and
-    ``scale``. ``dense_check``: a dense gradient of the table asks strict
-    mode first (``strict``: the lookup's own switch), as the XLA lookups do;
-    the tape's own lookups (whose table an outer transformation may
-    differentiate) pass ``False``.
+    each, ``N = B * length``) or given per slot (``bag``, sorted;
+    ``num_bags`` marks an unused slot). Differentiable in ``table``
+    (densely, as JAX's gather), ``weight`` and ``scale``.
+
+    ``dense_check``: a dense gradient of the table asks strict mode first
+    (``strict``: the lookup's own switch), as the XLA lookups do; the tape's
+    own lookups (whose table an outer transformation may differentiate)
+    pass ``False``.
     """
     flags = (HAS_WEIGHT if weight is not None else 0) | (
         HAS_SCALE if scale is not None else 0
