@@ -35,9 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _errors, _ids
-from .embedding import embedding_lookup
+from . import _errors, _ids, _tape
+from .embedding import embedding_lookup, pool
 from .jagged import segment_ids
+from .kernels import _ops as kernel_ops
 from .keyed import KeyedJaggedIds
 
 WHERE = "EmbeddingCollection"
@@ -340,6 +341,20 @@ def _padded(coll, lay, params, features, padding_id, weights, check_ids, batch_m
         key_b = arrange(np.broadcast_to(sel.reshape(-1, 1, 1), (len(sel), 1, 1)))
         gids = _row_ids(arrange(ids[sel]), arrange(valid[sel]), spec, key_b, b, sel)
         gids = jax.lax.optimization_barrier(gids)
+        if not seq and _native(params[b.name], gids, b):
+            wts = None if w is None else arrange(present[sel] * w[sel])
+            scale = None
+            if any(spec.combiner[i] in ("mean", "sqrtn") for i in pos):
+                c = arrange(present[sel]).astype(jnp.float32) if w is None else wts
+                counts = (jnp.sum(c, axis=-1), jnp.sqrt(jnp.sum(c * c, axis=-1)))
+                combs = [spec.combiner[i] for i in pos]
+                scale = _bag_scale(combs, counts, jnp.float32, fa).reshape(-1)
+            n_bags = gids.shape[0] * gids.shape[1]
+            out = _pool(params[b.name], gids, wts, scale, n_bags, gids.shape[-1])
+            if out is not None:
+                out = out.reshape(*gids.shape[:2], b.width)
+                pooled[b.name] = ([spec.keys[i] for i in pos], out)
+                continue
         rows = _lookup_rows(
             params[b.name], gids, b
         )  # [F_b, B, L, width] or [B, F_b, ...]
@@ -418,6 +433,17 @@ def _jagged(coll, lay, params, features, check_ids, batch_major):
         else:
             out_id = jnp.where(tgt >= 0, tgt * B + bag, n_out)
         gids, out_id = jax.lax.optimization_barrier((gids, out_id))
+        if not seq and order and _native(params[b.name], gids, b):
+            scale = _jagged_scale(w, out_id, n_out, order, spec, features, batch_major)
+            bag = out_id.astype(jnp.int32)
+            out = _pool(params[b.name], gids, w, scale, n_out, 0, bag)
+            if out is not None:
+                shape = (B, len(order)) if batch_major else (len(order), B)
+                pooled[b.name] = (
+                    [spec.keys[i] for i in order],
+                    out.reshape(*shape, b.width),
+                )
+                continue
         rows = _lookup_rows(params[b.name], gids, b)
         if order:
             pooled[b.name] = (
@@ -429,6 +455,48 @@ def _jagged(coll, lay, params, features, check_ids, batch_major):
         if seq:
             seqs.update(_sequences(rows, b, spec, features, seq, seg, kid))
     return pooled, seqs
+
+
+def _native(table, gids, b) -> bool:
+    """Whether a buffer pools on the native path (one piece per row)."""
+    if b.pieces > 1:
+        kernel_ops.note(f"{WHERE} buffer {b.name!r}", "column-wise pieces")
+        return False
+    return kernel_ops.route(f"{WHERE} buffer {b.name!r}", table, gids)
+
+
+def _pool(table, gids, w, scale, n_bags, length, bag=None):
+    """A buffer's pooled rows ``[n_bags, width]`` from the bag kernel, or ``None``."""
+    out = pool(
+        table,
+        gids.reshape(-1),
+        weight=None if w is None else w.reshape(-1).astype(table.dtype),
+        scale=scale,
+        num_bags=n_bags,
+        length=length,
+        bag=bag,
+    )
+    return None if out is _tape.ROWS else out
+
+
+def _jagged_scale(w, out_id, n_out, order, spec, features, batch_major):
+    """Per pooled bag ``[n_out]``: 1 / its count (mean), 1 / sqrt (sqrtn), 1."""
+    combs = [spec.combiner[i] for i in order]
+    if not any(c in ("mean", "sqrtn") for c in combs):
+        return jnp.ones((n_out,), jnp.float32)
+    B = features.batch_size
+    shape = (B, len(order)) if batch_major else (len(order), B)
+    if w is None:
+        lengths = features.lengths.astype(jnp.float32).reshape(len(spec.keys), B)
+        n = lengths[np.array(order)]
+        n = n.T if batch_major else n
+        counts = (n, jnp.sqrt(n))
+    else:
+        wt = w.astype(jnp.float32)
+        s1 = jax.ops.segment_sum(wt, out_id, num_segments=n_out + 1)[:n_out]
+        s2 = jax.ops.segment_sum(wt * wt, out_id, num_segments=n_out + 1)[:n_out]
+        counts = (s1.reshape(shape), jnp.sqrt(s2.reshape(shape)))
+    return _bag_scale(combs, counts, jnp.float32, 1 if batch_major else 0).reshape(-1)
 
 
 def _pool_jagged(rows, w, out_id, n_out, order, spec, features, batch_major):

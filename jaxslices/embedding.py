@@ -330,13 +330,13 @@ def embedding_bag(
         # Padding reads zeros and gets no gradient: send it out of range.
         present = jnp.asarray(present)
         safe = jnp.where(present, safe, num_rows)
-    compute = jnp.dtype(table.dtype if dtype is None else dtype)
     if (
         handler is None
         and max_norm is None
-        and compute == table.dtype
-        and kernel_ops.route(where, table, weights)
+        and (dtype is None or jnp.dtype(dtype) == table.dtype)
+        and kernel_ops.route(where, table, weights, safe)
     ):
+        compute = table.dtype
         w = present.astype(compute)
         if weights is not None:
             w = w * weights.astype(compute)
@@ -365,11 +365,8 @@ def _native_bag(
 ) -> jax.Array:
     """:func:`embedding_bag` on the native path (:mod:`jaxslices.kernels`).
 
-    One kernel gathers and pools (``bag_forward``); under
-    :func:`jaxslices.value_and_grad` the tap is the pooled output, so the
-    table's gradient is the pooled gradient with the bags' ids and weights
-    (a recipe), never the ``[N, D]`` rows. Same values as the XLA path (the
-    sums are taken in another order: float rounding).
+    Same values as the XLA path (the sums are taken in another order: float
+    rounding); see :func:`pool`.
     """
     row_shape = tuple(table.shape[1:])
     if segments is None:
@@ -387,17 +384,55 @@ def _native_bag(
         safe_denom = jnp.where(denom == 0, jnp.ones((), w.dtype), denom)
         scale = jnp.where(denom == 0, jnp.zeros((), w.dtype), 1 / safe_denom)
         scale = scale.reshape(-1)
-    flat_ids, flat_w = safe.reshape(-1), w.reshape(-1)
+    out = pool(
+        table,
+        safe.reshape(-1),
+        weight=w.reshape(-1),
+        scale=scale,
+        num_bags=num_bags,
+        length=length,
+        bag=bag_ids,
+        strict=strict,
+    )
+    if out is _tape.ROWS:  # below the loss's top level (vmap): the rows path
+        rows = _lookup_rows(table, safe, None, strict)
+        return _combine(rows, w, reduce, combiner)
+    return out.reshape(lead + row_shape)
+
+
+def pool(
+    table: jax.Array,
+    ids: jax.Array,
+    *,
+    weight: jax.Array | None,
+    scale: jax.Array | None,
+    num_bags: int,
+    length: int = 0,
+    bag: jax.Array | None = None,
+    strict: bool = False,
+) -> Any:
+    """Pooled rows ``[num_bags, *row]`` through the native bag kernel.
+
+    ``out[b] = scale[b] * sum_{s in bag b} weight[s] * table[ids[s]]``, with
+    ``ids`` ``[N]`` safe ids (padding ``V``), bags padded (``length`` slots
+    each) or given per slot (``bag``, ``num_bags`` for an unused slot). The
+    caller has routed it (``kernels._ops.route``). Under
+    :func:`jaxslices.value_and_grad` the tap is the pooled output, so the
+    table's gradient is the pooled gradient with the bags' ids and weights
+    (a recipe), never the ``[N, D]`` rows. Returns :data:`_tape.ROWS` below
+    the loss's top level (``vmap``): the caller looks the rows up instead.
+    """
+    row_shape = tuple(table.shape[1:])
 
     def forward(t, *, dense_check):
         out = kernel_ops.bag_forward(
             t,
-            flat_ids,
-            weight=flat_w,
+            ids,
+            weight=weight,
             scale=scale,
             num_bags=num_bags,
             length=length,
-            bag=bag_ids,
+            bag=bag,
             strict=strict,
             dense_check=dense_check,
         )
@@ -407,18 +442,15 @@ def _native_bag(
         functools.partial(forward, dense_check=False),
         (num_bags, *row_shape),
         table.dtype,
-        flat_w,
+        jnp.ones(ids.shape, table.dtype) if weight is None else weight,
         scale,
-        bag_ids,
+        bag,
         length,
     )
-    out = _tape.bag(table, flat_ids, lookup)
-    if out is _tape.ROWS:  # below the loss's top level (vmap): the rows path
-        rows = _lookup_rows(table, safe, None, strict)
-        return _combine(rows, w, reduce, combiner)
+    out = _tape.bag(table, ids, lookup)
     if out is None:
         out = forward(table, dense_check=True)
-    return out.reshape(lead + row_shape)
+    return out
 
 
 def _segment_sum(x: jax.Array, segments: tuple[jax.Array, int]) -> jax.Array:

@@ -13,3 +13,18 @@ hypothesis.settings.register_profile(
 )
 hypothesis.settings.register_profile("dev", max_examples=50, deadline=None)
 hypothesis.settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def xla_path():
+    """Trace on the XLA path (the native kernels off), for tests of its structure.
+
+    The native path has its own structural tests (tests/lib/test_kernels.py).
+    """
+    import jaxslices
+
+    with jaxslices.kernels.disabled():
+        yield

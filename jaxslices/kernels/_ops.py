@@ -333,7 +333,7 @@ def _bag_reference(table, ids, bag, weight, scale, *, flags, length, num_bags, *
         total = jnp.sum(rows.reshape(num_bags, length, rows.shape[1]), axis=1)
     else:
         out = jnp.zeros((num_bags, rows.shape[1]), rows.dtype)
-        total = out.at[bag].add(rows, mode="drop", indices_are_sorted=True)
+        total = out.at[bag].add(rows, mode="drop")
     if flags & HAS_SCALE:
         total = total * scale[:, None]
     return [total.reshape((num_bags, *row_shape))]
@@ -393,8 +393,8 @@ def bag_forward(
 
     ``table`` ``[V, *row]`` float32 (out: ``[B, *row]``); ``ids`` ``[N]``
     (an id outside ``[0, V)`` adds nothing); bags padded (``length`` slots
-    each, ``N = B * length``) or given per slot (``bag``, sorted;
-    ``num_bags`` marks an unused slot). Differentiable in ``table``
+    each, ``N = B * length``) or given per slot (``bag``; ``num_bags`` marks
+    an unused slot). Differentiable in ``table``
     (densely, as JAX's gather), ``weight`` and ``scale``.
 
     ``dense_check``: a dense gradient of the table asks strict mode first

@@ -139,6 +139,7 @@ def _sorts_and_loops(tx, grads, params):
     return text.count("stablehlo.sort"), text.count("stablehlo.while")
 
 
+@pytest.mark.usefixtures("xla_path")  # XLA's structure; native: test_kernels
 @pytest.mark.parametrize("method", ["sort", "hash"])
 def test_a_chain_coalesces_once_per_step(method):
     """clip_by_global_norm passes on what it coalesced; lazy Adam reuses it."""
@@ -162,6 +163,7 @@ def test_a_chain_coalesces_once_per_step(method):
         assert (sorts, loops) == ((1, 1) if method == "sort" else (0, 1)), tx
 
 
+@pytest.mark.usefixtures("xla_path")  # XLA's structure; native: test_kernels
 def test_clip_sgd_default_method_on_cpu_is_the_hash():
     s = zipf_slices(np.random.default_rng(5))
     tx = optax.chain(js.clip_by_global_norm(1.0), js.sgd(0.1))

@@ -198,6 +198,7 @@ def _on_table(eqns, width):
     return [e for e in eqns if tuple(e.invars[0].aval.shape) in {(V, D), (V, width)}]
 
 
+@pytest.mark.usefixtures("xla_path")  # XLA's structure; native: test_kernels
 @pytest.mark.parametrize("method", ["auto", "sort"])
 def test_coalesced_scatters_and_gathers_promise_unique_indices(method):
     tx = optax.chain(
@@ -216,6 +217,7 @@ def test_coalesced_scatters_and_gathers_promise_unique_indices(method):
         assert e.invars[2].aval.shape[0] == 6, e
 
 
+@pytest.mark.usefixtures("xla_path")  # XLA's structure; native: test_kernels
 def test_clip_then_optimizer_coalesces_once_and_reads_the_rows_once():
     """Fused clipping: the norm comes from the rows the update uses anyway."""
     tx = optax.chain(

@@ -288,6 +288,7 @@ def test_argnums_errors():
 # -------------------------------------------------------------- training loop
 
 
+@pytest.mark.parametrize("path", ["xla", "native"])
 @pytest.mark.parametrize(
     "sparse_tx,dense_tx,exact",
     [
@@ -296,8 +297,23 @@ def test_argnums_errors():
     ],
     ids=["sgd", "adagrad"],
 )
-def test_jitted_training_equals_the_stock_layer_with_optax(sparse_tx, dense_tx, exact):
-    """docs/frameworks.md: adagrad bit for bit, sgd up to the last bits."""
+def test_jitted_training_equals_the_stock_layer_with_optax(
+    sparse_tx, dense_tx, exact, path
+):
+    """docs/frameworks.md: adagrad bit for bit (XLA path), sgd up to the last bits.
+
+    The native kernels sum a row's duplicate ids in another order: there,
+    both agree to float32 rounding.
+    """
+    exact = exact and path == "xla"
+    if path == "xla":
+        with js.kernels.disabled():
+            _train_pair(sparse_tx, dense_tx, exact)
+    else:
+        _train_pair(sparse_tx, dense_tx, exact)
+
+
+def _train_pair(sparse_tx, dense_tx, exact):
     mine, stock = _pair()
     opt_mine = nnx.Optimizer(mine, sparse_tx, wrt=nnx.Param)
     opt_stock = nnx.Optimizer(stock, dense_tx, wrt=nnx.Param)

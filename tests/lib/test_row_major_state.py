@@ -70,6 +70,7 @@ def _ops_on(jaxpr: Any, prim: str, shape: tuple[int, ...]) -> int:
     return n
 
 
+@pytest.mark.usefixtures("xla_path")  # XLA's structure; native: test_kernels
 @pytest.mark.parametrize("name", list(PACKED))
 def test_one_gather_and_one_scatter_serve_all_of_a_rows_state(name):
     make, *_ = PACKED[name]

@@ -812,6 +812,7 @@ def count_coalesces(tx, grads, params):
     return text.count("stablehlo.sort") + text.count("stablehlo.while")
 
 
+@pytest.mark.usefixtures("xla_path")  # XLA's structure; native: test_kernels
 @pytest.mark.parametrize(
     "name, coalesces",
     [("sgd", 0), ("scale", 0), ("lazy_adam", 1), ("lazy_adamw", 1), ("adagrad", 1)],

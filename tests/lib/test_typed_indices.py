@@ -249,6 +249,7 @@ def test_eval_shape_and_shape_dtype_structs():
     assert "7x3" in lowered.as_text()
 
 
+@pytest.mark.usefixtures("xla_path")  # XLA's structure; native: test_kernels
 def test_unwrap_compiles_to_nothing():
     """The compiled step is the same whether indices arrive typed or plain."""
     table = jnp.zeros((7, 3))

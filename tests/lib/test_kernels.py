@@ -1,0 +1,605 @@
+"""The native CPU kernels (jaxslices.kernels) against the XLA path.
+
+Every comparison runs the same step twice, once as it comes (the native path,
+when the kernels load) and once traced under ``jaxslices.kernels.disabled()``
+(the XLA path), on random inputs with heavy duplicates (Zipf ids), padding
+ids, out-of-range ids, weights, empty bags and empty batches. The two paths
+sum rows in different orders, so they agree to float32 rounding:
+``rtol=2e-5, atol=2e-6`` over three steps (``TOL``); that is the tolerance
+the docs state (docs/native.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxslices as js
+from jaxslices.kernels import _ops
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+
+pytestmark = pytest.mark.skipif(
+    not js.kernels.available(),
+    reason=f"needs the native kernels here: {js.kernels.status()}",
+)
+
+OPTIMIZERS = {
+    "sgd": lambda: js.sgd(0.1),
+    "sgd_schedule": lambda: js.sgd(optax.linear_schedule(0.1, 0.01, 3)),
+    "sgd_momentum": lambda: js.sgd(0.1, 0.9),
+    "sgd_nesterov": lambda: js.sgd(0.1, 0.9, nesterov=True),
+    "trace": lambda: optax.chain(js.trace(0.5), js.scale(-0.1)),
+    "adagrad": lambda: js.adagrad(0.1),
+    "rowwise_adagrad": lambda: js.rowwise_adagrad(0.1),
+    "lazy_adam": lambda: js.lazy_adam(0.01),
+    "lazy_adam_nesterov": lambda: js.lazy_adam(0.01, eps_root=1e-8, nesterov=True),
+    "lazy_adamw": lambda: js.lazy_adamw(0.01, weight_decay=0.1),
+    "ftrl": lambda: js.ftrl(0.1, l1=0.01, l2=0.01, l2_shrinkage=0.01, beta=0.1),
+    "ftrl_power": lambda: js.ftrl(0.1, learning_rate_power=-0.3, l1=0.001),
+    "add_decayed_weights": lambda: optax.chain(
+        js.add_decayed_weights(0.1), js.sgd(0.1)
+    ),
+    "clip_by_global_norm": lambda: optax.chain(
+        js.clip_by_global_norm(0.05), js.adagrad(0.1)
+    ),
+    "clip_by_global_norm_sgd": lambda: optax.chain(
+        js.clip_by_global_norm(0.05), js.sgd(0.1)
+    ),
+    "clip_by_row_norm": lambda: optax.chain(js.clip_by_row_norm(0.01), js.sgd(0.1)),
+    "clip": lambda: optax.chain(js.clip(0.001), js.lazy_adam(0.01)),
+    "max_distinct": lambda: js.rowwise_adagrad(0.1, max_distinct=48),
+}
+
+
+def _xla():
+    return js.kernels.disabled()
+
+
+def _zipf_ids(rng, shape, num_rows):
+    return ((rng.zipf(1.3, size=shape) - 1) % num_rows).astype(np.int32)
+
+
+def _batches(rng, num_rows=40, bags=6, length=5, steps=3, extra=()):
+    out = []
+    for _ in range(steps):
+        ids = _zipf_ids(rng, (bags, length), num_rows)
+        ids[0, 1] = num_rows + 3  # out of range
+        ids[1, :] = num_rows  # an empty bag (all padding)
+        ids[2, 2] = -2  # negative: out of range
+        out.append((jnp.asarray(ids), jnp.asarray(rng.normal(size=bags), jnp.float32)))
+    return out
+
+
+def _loss(combiner="mean", padding_id=None, weights=None):
+    def loss(p, ids, y):
+        h = js.embedding_bag(
+            p["emb"], ids, combiner=combiner, padding_id=padding_id, weights=weights
+        )
+        return jnp.mean((h @ p["w"] - y) ** 2) + 0.1 * jnp.sum(p["w"] ** 2)
+
+    return loss
+
+
+def _train(tx, loss, params, batches, *, native, jit=True, donate=False):
+    def step(p, s, ids, y):
+        value, grads = js.value_and_grad(loss)(p, ids, y)
+        updates, s = tx.update(grads, s, p)
+        return js.apply_updates(p, updates), s, value
+
+    if jit:
+        step = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    p = jax.tree.map(jnp.copy, params)
+    s = tx.init(p)
+    with contextlib.nullcontext() if native else _xla():
+        for ids, y in batches:
+            p, s, _ = step(p, s, ids, y)
+    return p, s
+
+
+def _params(rng, num_rows=40, dim=4, row_shape=None):
+    row = (dim,) if row_shape is None else row_shape
+    return {
+        "emb": jnp.asarray(rng.normal(size=(num_rows, *row)), jnp.float32),
+        "w": jnp.asarray(rng.normal(size=row), jnp.float32),
+    }
+
+
+def _assert_trees_close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOL)
+
+
+# ------------------------------------------------ every optimizer, both paths
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_every_optimizer_native_equals_xla(name):
+    rng = np.random.default_rng(0)
+    params = _params(rng)
+    batches = _batches(rng)
+    loss = _loss(padding_id=40)
+    tx = OPTIMIZERS[name]()
+    native = _train(tx, loss, params, batches, native=True)
+    xla = _train(tx, loss, params, batches, native=False)
+    _assert_trees_close(native, xla)
+
+    # And the step did take the native path, every jaxslices operation of it.
+    def step(p, s, ids, y):
+        updates, s = tx.update(js.grad(loss)(p, ids, y), s, p)
+        return js.apply_updates(p, updates), s
+
+    report = js.kernels.explain(step, params, tx.init(params), *batches[0])
+    assert report.native and report.native_calls >= 2, str(report)
+
+
+@pytest.mark.parametrize("combiner", ["mean", "sum", "sqrtn"])
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize("donate", [True, False])
+def test_bags_weights_and_combiners_eager_jit_donated(combiner, jit, donate):
+    rng = np.random.default_rng(1)
+    params = _params(rng)
+    batches = _batches(rng)
+    weights = jnp.asarray(rng.uniform(0.1, 2.0, size=(6, 5)), jnp.float32)
+    loss = _loss(combiner, padding_id=40, weights=weights)
+    tx = js.adagrad(0.1)
+    native = _train(tx, loss, params, batches, native=True, jit=jit, donate=donate)
+    xla = _train(tx, loss, params, batches, native=False, jit=jit)
+    _assert_trees_close(native, xla)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "lazy_adam", "ftrl"])
+def test_jagged_bags_and_row_shapes(name):
+    rng = np.random.default_rng(2)
+    params = _params(rng, row_shape=(2, 3))
+    lists = [[1, 1, 7], [], [3], [39, 1, 1, 1], [45]]  # 45: out of range
+
+    def loss(p, bags, y):
+        h = js.embedding_bag(p["emb"], bags, combiner="sqrtn")
+        return jnp.mean((jnp.sum(h * p["w"], axis=(1, 2)) - y) ** 2)
+
+    bags = js.jagged_from_lists(lists, max_total=12)
+    batches = [(bags, jnp.arange(5.0))] * 3
+    tx = OPTIMIZERS[name]()
+    _assert_trees_close(
+        _train(tx, loss, params, batches, native=True),
+        _train(tx, loss, params, batches, native=False),
+    )
+
+
+def test_several_lookups_of_one_table_and_plain_lookups():
+    rng = np.random.default_rng(3)
+    params = _params(rng)
+
+    def loss(p, ids, y):
+        a = js.embedding_bag(p["emb"], ids, combiner="mean")
+        b = js.embedding_bag(p["emb"], ids[:, :2], combiner="sum")
+        c = js.embedding_lookup(p["emb"], ids[:, 0])
+        return jnp.mean(((a + b + c) @ p["w"] - y) ** 2)
+
+    batches = _batches(rng)
+    for name in ["sgd", "rowwise_adagrad", "lazy_adamw"]:
+        tx = OPTIMIZERS[name]()
+        _assert_trees_close(
+            _train(tx, loss, params, batches, native=True),
+            _train(tx, loss, params, batches, native=False),
+        )
+
+
+@pytest.mark.parametrize("kind", ["empty_batch", "all_padding"])
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "lazy_adam", "ftrl", "clip"])
+def test_empty_and_all_padding_batches_touch_nothing(kind, name):
+    rng = np.random.default_rng(4)
+    params = _params(rng)
+    shape = (0, 5) if kind == "empty_batch" else (4, 5)
+    ids = jnp.full(shape, 40, jnp.int32)
+    y = jnp.zeros(shape[0])
+    tx = OPTIMIZERS[name]()
+    new, state = _train(tx, _loss(padding_id=40), params, [(ids, y)], native=True)
+    np.testing.assert_array_equal(new["emb"], params["emb"])
+
+
+def test_int64_ids_in_the_kernels_under_x64():
+    """Ids are int32 below 2**31 rows (the index dtype policy); above, int64.
+
+    No test table has 2**31 rows, so the int64 kernels are run directly on
+    int64 ids (x64 on), against their XLA references.
+    """
+    code = textwrap.dedent(
+        """
+        import jax
+        jax.config.update("jax_enable_x64", True)
+        import contextlib
+        import jax.numpy as jnp, numpy as np
+        from jaxslices.kernels import _ops
+        rng = np.random.default_rng(0)
+        table = jnp.asarray(rng.normal(size=(30, 4)), jnp.float32)
+        state = jnp.asarray(rng.uniform(size=(30, 4)), jnp.float32)
+        ids = jnp.asarray(rng.integers(-2, 33, size=12), jnp.int64)
+        src = jnp.asarray(rng.normal(size=(12, 4)), jnp.float32)
+        spec = _ops.RuleSpec(
+            "rss",
+            lambda g, st, p, hp, cfg: (g / jnp.sqrt(g * g + st + hp[0]), g * g + st),
+            uses_state=True,
+        )
+        rec = _ops.Recipe(src)
+        for native in (True, False):
+            with contextlib.nullcontext() if native else _ops.disabled():
+                out = jax.jit(lambda s: _ops.rowwise(
+                    rec, ids, num_rows=30, spec=spec, hp=(1e-7,), state=s,
+                    capacity=12))(state)
+                tab = jax.jit(lambda t: _ops.apply(t, rec, ids))(table)
+                fwd = jax.jit(lambda t: _ops.bag_forward(
+                    t, ids, weight=None, scale=None, num_bags=4, length=3))(table)
+            if native:
+                a = (out, tab, fwd)
+            else:
+                b = (out, tab, fwd)
+        assert a[0][1].dtype == jnp.int64
+        n = int(a[0][3])
+        np.testing.assert_array_equal(a[0][1], b[0][1])
+        np.testing.assert_allclose(a[0][2][:n], b[0][2][:n], rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(a[0][0], b[0][0], rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(a[1], b[1], rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(a[2], b[2], rtol=2e-5, atol=2e-6)
+        print("ok")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    num_rows=st.integers(1, 64),
+    bags=st.integers(0, 6),
+    length=st.integers(1, 6),
+    name=st.sampled_from(sorted(OPTIMIZERS)),
+)
+def test_property_native_equals_xla(seed, num_rows, bags, length, name):
+    rng = np.random.default_rng(seed)
+    params = _params(rng, num_rows=num_rows)
+    ids = rng.integers(-2, num_rows + 3, size=(bags, length)).astype(np.int32)
+    batches = [(jnp.asarray(ids), jnp.asarray(rng.normal(size=bags), jnp.float32))]
+    tx = OPTIMIZERS[name]()
+    loss = _loss(padding_id=num_rows)
+    _assert_trees_close(
+        _train(tx, loss, params, batches * 2, native=True),
+        _train(tx, loss, params, batches * 2, native=False),
+    )
+
+
+# --------------------------------------------------------- the optax split
+
+
+def test_optax_apply_updates_and_plain_slices_take_the_native_path():
+    rng = np.random.default_rng(5)
+    params = _params(rng)
+    vals = jnp.asarray(rng.normal(size=(9, 4)), jnp.float32)
+    idx = jnp.asarray([3, 3, 0, 40, 7, 3, -1, 0, 12])
+    g = {"emb": js.IndexedSlices(vals, idx, (40, 4)), "w": jnp.ones(4)}
+    tx = js.lazy_adam(0.1)
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    a = jax.jit(step)(params, tx.init(params), g)
+    with _xla():
+        b = jax.jit(step)(params, tx.init(params), g)
+    _assert_trees_close(a, b)
+    report = js.kernels.explain(step, params, tx.init(params), g)
+    assert report.native, str(report)
+
+
+def test_donated_step_writes_table_and_state_in_place():
+    rng = np.random.default_rng(6)
+    num_rows = 4096
+    params = _params(rng, num_rows=num_rows, dim=16)
+    for name in ["sgd", "adagrad", "rowwise_adagrad", "lazy_adam", "ftrl"]:
+        tx = OPTIMIZERS[name]()
+        loss = _loss()
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def step(p, s, ids, y, tx=tx, loss=loss):
+            u, s = tx.update(js.grad(loss)(p, ids, y), s, p)
+            return js.apply_updates(p, u), s
+
+        ids = jnp.zeros((8, 4), jnp.int32)
+        compiled = step.lower(params, tx.init(params), ids, jnp.zeros(8)).compile()
+        assert js.table_copies(compiled) == [], name
+        text = compiled.as_text()
+        assert 'custom_call_target="jaxslices_apply"' in text, name
+        # No copy of anything with the table's rows (table or its state).
+        copies = [
+            line
+            for line in text.splitlines()
+            if " copy(" in line and f"[{num_rows}," in line.split("copy(")[0]
+        ]
+        assert not copies, (name, copies)
+
+
+def test_max_distinct_overflow_raises_and_changes_nothing():
+    rng = np.random.default_rng(7)
+    params = _params(rng)
+    tx = js.rowwise_adagrad(0.1, max_distinct=2)
+    ids = jnp.asarray([[1, 2, 3, 4, 5]], jnp.int32)
+
+    @jax.jit
+    def step(p, s, ids):
+        u, s = tx.update(js.grad(_loss())(p, ids, jnp.zeros(1)), s, p)
+        return js.apply_updates(p, u), s
+
+    with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="max_distinct"):
+        jax.block_until_ready(step(params, tx.init(params), ids))
+
+
+def _rowwise_eqns(fun, *args):
+    jaxpr = jax.make_jaxpr(fun)(*args)
+    out = []
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "jaxslices_rowwise":
+                out.append(e.params)
+            for v in e.params.values():
+                for sub in v if isinstance(v, (list, tuple)) else [v]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jaxpr.jaxpr)
+    return out
+
+
+@pytest.mark.parametrize(
+    "name,kernels,hashed",
+    [
+        ("sgd", 0, 0),
+        ("adagrad", 1, 1),
+        ("lazy_adamw", 2, 1),  # adam, then the decay on the coalesced rows
+        ("clip_by_global_norm", 2, 1),  # coalesce (+ norm), then adagrad
+        ("clip", 2, 1),
+    ],
+)
+def test_a_chain_sums_duplicates_once(name, kernels, hashed):
+    """One hashing pass per table and step; later kernels read coalesced rows."""
+    rng = np.random.default_rng(13)
+    params = _params(rng)
+    ids, y = _batches(rng)[0]
+    tx = OPTIMIZERS[name]()
+
+    def step(p, s, ids, y):
+        return tx.update(js.grad(_loss())(p, ids, y), s, p)[0]
+
+    eqns = _rowwise_eqns(step, params, tx.init(params), ids, y)
+    assert len(eqns) == kernels
+    assert sum(not e["flags"] & _ops.COALESCED for e in eqns) == hashed
+
+
+# ---------------------------------------------------------- the forward bag
+
+
+def test_forward_matches_and_differentiates_like_the_xla_bag():
+    rng = np.random.default_rng(8)
+    table = jnp.asarray(rng.normal(size=(20, 3)), jnp.float32)
+    ids = jnp.asarray(_zipf_ids(rng, (4, 6), 23))
+    w = jnp.asarray(rng.uniform(0.5, 1.5, size=(4, 6)), jnp.float32)
+
+    def f(t, w):
+        return jnp.sum(js.embedding_bag(t, ids, weights=w, combiner="sqrtn") ** 3)
+
+    native = (f(table, w), jax.grad(f, argnums=(0, 1))(table, w))
+    with _xla():
+        xla = (f(table, w), jax.grad(f, argnums=(0, 1))(table, w))
+    _assert_trees_close(native, xla)
+    # Forward mode too (the XLA lookup is a custom_vjp, which refuses jvp).
+    t_out = jax.jvp(lambda t: f(t, w), (table,), (jnp.ones_like(table),))[1]
+    eps = 1e-3
+    fd = (f(table + eps, w) - f(table - eps, w)) / (2 * eps)
+    np.testing.assert_allclose(t_out, fd, rtol=2e-2)
+
+
+def test_vmap_takes_the_xla_path_and_says_so():
+    rng = np.random.default_rng(9)
+    table = jnp.asarray(rng.normal(size=(20, 3)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 20, size=(5, 4, 3)))
+
+    def f(t, ids):
+        return js.embedding_bag(t, ids)
+
+    out = jax.vmap(f, in_axes=(None, 0))(table, ids)
+    with _xla():
+        ref = jax.vmap(f, in_axes=(None, 0))(table, ids)
+    np.testing.assert_allclose(out, ref, **TOL)
+    report = js.kernels.explain(jax.vmap(f, in_axes=(None, 0)), table, ids)
+    assert not report.native
+    assert any("vmap" in d.reason for d in report.decisions), str(report)
+
+
+def test_explain_names_every_reason():
+    rng = np.random.default_rng(10)
+    params = _params(rng)
+    ids, y = _batches(rng)[0]
+    tx = js.lazy_adam(0.01, mu_dtype=jnp.bfloat16)
+
+    def step(p, s, ids, y):
+        u, s = tx.update(js.grad(_loss())(p, ids, y), s, p)
+        return js.apply_updates(p, u), s
+
+    report = js.kernels.explain(step, params, tx.init(params), ids, y)
+    text = str(report)
+    assert "mu_dtype=bfloat16" in text and "native" in text, text
+
+    def step2(p, s, ids, y):  # a new function: jit traced `step` already
+        return step(p, s, ids, y)
+
+    with _xla():
+        report = js.kernels.explain(step2, params, tx.init(params), ids, y)
+    assert not any(d.native for d in report.decisions), str(report)
+    assert sum("are off" in d.reason for d in report.decisions) == 2, str(report)
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    tx = js.lazy_adam(0.01)
+    report = js.kernels.explain(step, bf16, tx.init(bf16), ids, y)
+    assert any("bfloat16" in d.reason for d in report.decisions), str(report)
+
+
+def test_strict_mode_still_catches_a_dense_gradient_of_a_native_bag():
+    table = jnp.ones((10, 2))
+
+    def loss(t):
+        return js.embedding_bag(t, jnp.array([[1, 2]]), strict=True).sum()
+
+    with pytest.raises(js.DenseGradientError):
+        jax.grad(loss)(table)
+    assert js.grad(loss)(table).indices.shape == (2,)
+
+
+def test_higher_order_differentiation_through_the_native_path():
+    rng = np.random.default_rng(11)
+    params = _params(rng)
+    ids, y = _batches(rng)[0]
+    loss = _loss(padding_id=40)
+
+    def penalty(p):
+        g = js.grad(loss)(p, ids, y)
+        return jnp.sum(g["w"] ** 2)
+
+    native = jax.grad(penalty)(params)
+    with _xla():
+        xla = jax.grad(penalty)(params)
+    _assert_trees_close(native, xla)
+
+
+# ------------------------------------------------ install: builds, fallbacks
+
+
+def _run(code: str, env: dict) -> subprocess.CompletedProcess:
+    full = {**os.environ, **env}
+    return subprocess.run(
+        [sys.executable, "-W", "default", "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=full,
+        timeout=600,
+    )
+
+
+_STEP = """
+import jax, jax.numpy as jnp, numpy as np, jaxslices as js
+p = {"emb": jnp.arange(40.0).reshape(10, 4)}
+tx = js.adagrad(0.1)
+def loss(p, ids):
+    return js.embedding_bag(p["emb"], ids).sum()
+@jax.jit
+def step(p, s, ids):
+    u, s = tx.update(js.grad(loss)(p, ids), s, p)
+    return js.apply_updates(p, u), s
+out = step(p, tx.init(p), jnp.array([[1, 1, 3]]))[0]["emb"]
+out = step(p, tx.init(p), jnp.array([[1, 1, 3]]))[0]["emb"]
+print("rows", np.asarray(out[1]).round(4).tolist())
+print("report", js.kernels.explain(step, p, tx.init(p), jnp.array([[1, 2]])).native)
+print("status", js.kernels.status())
+"""
+
+
+def test_without_a_compiler_the_xla_path_runs_and_says_so_once(tmp_path):
+    out = _run(
+        _STEP,
+        {
+            "JAXSLICES_CXX": str(tmp_path / "no-such-compiler"),
+            "JAXSLICES_CACHE_DIR": str(tmp_path / "cache"),
+        },
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "report False" in out.stdout
+    assert "status unavailable: no C++ compiler found" in out.stdout
+    assert out.stderr.count("KernelsUnavailableWarning") == 1, out.stderr
+    ref = _run(_STEP, {})
+    rows = [ln for ln in out.stdout.splitlines() if ln.startswith("rows")]
+    ref_rows = [ln for ln in ref.stdout.splitlines() if ln.startswith("rows")]
+    assert rows == ref_rows, (rows, ref_rows)
+
+
+def test_a_failing_build_falls_back_with_the_compiler_error(tmp_path):
+    fake = tmp_path / "broken-c++"
+    fake.write_text("#!/bin/sh\necho 'fatal: this compiler is broken' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    out = _run(
+        _STEP,
+        {"JAXSLICES_CXX": str(fake), "JAXSLICES_CACHE_DIR": str(tmp_path / "c")},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "report False" in out.stdout
+    assert "this compiler is broken" in out.stdout  # in status()
+
+
+def test_off_by_environment_without_a_warning(tmp_path):
+    out = _run(_STEP, {"JAXSLICES_NATIVE": "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "report False" in out.stdout and "disabled by" in out.stdout
+    assert "KernelsUnavailableWarning" not in out.stderr
+
+
+def test_parallel_builds_into_one_fresh_cache(tmp_path):
+    env = {**os.environ, "JAXSLICES_CACHE_DIR": str(tmp_path / "cache")}
+    code = "import jaxslices as js; assert js.kernels.available(); print('ok')"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=900)
+        assert p.returncode == 0 and "ok" in stdout, stderr[-3000:]
+    libs = list((tmp_path / "cache").glob("libjaxslices_kernels-*.so"))
+    assert len(libs) == 1, libs
+    assert not list((tmp_path / "cache").glob("*.tmp")), "a temporary was left"
+
+
+# -------------------------------------- accelerators: no CPU call in exports
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_steps_export_for_cuda_and_tpu_without_a_cpu_only_call(name):
+    rng = np.random.default_rng(12)
+    params = _params(rng)
+    ids, y = _batches(rng)[0]
+    tx = OPTIMIZERS[name]()
+    loss = _loss(padding_id=40)
+
+    def step(p, s, ids, y):
+        u, s = tx.update(js.grad(loss)(p, ids, y), s, p)
+        return js.apply_updates(p, u), s
+
+    exported = jax.export.export(jax.jit(step), platforms=("cuda", "tpu"))(
+        params, tx.init(params), ids, y
+    )
+    text = exported.mlir_module()
+    # The ops are there (their names label the code), lowered as XLA.
+    assert "jaxslices_" in text
+    assert "custom_call @jaxslices" not in text and "@jaxslices_" not in text
