@@ -66,6 +66,12 @@ _PARAM = re.compile(
     r"(?:.*op_name=\"(?P<op>(?:[^\"\\]|\\.)*)\")?"
 )
 _COPY = re.compile(rf"= {_TYPE}\S* copy(?:-start)?\(%(?P<src>[^\s,)]+)")
+# A fusion XLA names after a copy at its root (``bitcast_copy_fusion``): the
+# copy of a bitcast (a reshape) of its operand.
+_COPY_FUSION = re.compile(
+    rf"%\S*copy\S* = {_TYPE}\S* fusion\(%(?P<src>[^\s,)]+)\)"
+)
+_BITCAST = re.compile(r"%(?P<name>\S+) = \S+ bitcast\(%(?P<src>[^\s,)]+)\)")
 
 
 def _entry(text: str) -> list[str]:
@@ -85,8 +91,9 @@ def _entry(text: str) -> list[str]:
 def table_copies(compiled: Any, *, min_bytes: int = 1 << 20) -> list[TableCopy]:
     """The arguments of a compiled step that it copies whole, each step.
 
-    Read from the compiled HLO: a ``copy`` of an entry parameter of at least
-    ``min_bytes`` bytes (smaller copies cost little). An empty list means the
+    Read from the compiled HLO: a ``copy`` of an entry parameter (or of a
+    reshape of it, also inside a fusion) of at least ``min_bytes`` bytes
+    (smaller copies cost little). An empty list means the
     step updates its tables in place.
 
     Args:
@@ -119,18 +126,37 @@ def table_copies(compiled: Any, *, min_bytes: int = 1 << 20) -> list[TableCopy]:
         m = _PARAM.match(line)
         if m:
             params[m["name"]] = m
+    bitcasts = {}
+    for line in body:
+        b = _BITCAST.match(line)
+        if b:
+            bitcasts[b["name"]] = b["src"]
+
+    def source(name: str) -> str:  # through bitcasts (reshapes): the same buffer
+        for _ in range(len(bitcasts) + 1):
+            if name not in bitcasts:
+                break
+            name = bitcasts[name]
+        return name
+
     infos = jax.tree.leaves(getattr(compiled, "args_info", ()))
     out, seen = [], set()
     for line in body:
-        c = _COPY.search(line)
-        if c is None or c["src"] not in params or c["src"] in seen:
+        c = _COPY.search(line) or _COPY_FUSION.search(line)
+        src = None if c is None else source(c["src"])
+        if src is None or src not in params or src in seen:
             continue
-        p = params[c["src"]]
+        p = params[src]
+        if math.prod(int(d) for d in c["dims"].split(",") if d) != math.prod(
+            int(d) for d in p["dims"].split(",") if d
+        ):
+            continue  # a part of it, not the whole argument
+        c = {"src": src}
         shape = tuple(int(d) for d in p["dims"].split(",") if d)
         nbytes = math.ceil(math.prod(shape) * _itemsize(p["dtype"]))
         if nbytes < min_bytes:
             continue
-        seen.add(c["src"])
+        seen.add(src)
         k = int(p["k"])
         name = (p["op"] or "").replace("\\'", "'") or f"parameter {k}"
         donated = _donated(infos, k, shape, aligned=len(params) == len(infos))

@@ -603,3 +603,22 @@ def test_steps_export_for_cuda_and_tpu_without_a_cpu_only_call(name):
     # The ops are there (their names label the code), lowered as XLA.
     assert "jaxslices_" in text
     assert "custom_call @jaxslices" not in text and "@jaxslices_" not in text
+
+
+def test_table_copies_sees_a_copy_behind_a_reshape():
+    """A reshape between a donated buffer and an in-place kernel makes XLA copy it.
+
+    (jaxslices passes state whole for that reason; ``table_copies`` must see
+    such a copy, which hides behind a bitcast and inside a fusion.)
+    """
+    num_rows = 1 << 15
+
+    def step(state, ids):
+        flat = state.reshape(num_rows, -1)
+        out = _ops.apply(flat, _ops.Recipe(jnp.ones((4, 128))), ids)
+        return out.reshape(state.shape)
+
+    state = jnp.zeros((num_rows, 2, 64))
+    compiled = jax.jit(step, donate_argnums=0).lower(state, jnp.arange(4)).compile()
+    (copy,) = js.table_copies(compiled)
+    assert copy.argument == "state" and copy.donated
