@@ -622,3 +622,60 @@ def test_table_copies_sees_a_copy_behind_a_reshape():
     compiled = jax.jit(step, donate_argnums=0).lower(state, jnp.arange(4)).compile()
     (copy,) = js.table_copies(compiled)
     assert copy.argument == "state" and copy.donated
+
+
+def _exported_text(step, *args):
+    exported = jax.export.export(jax.jit(step), platforms=("cuda", "tpu"))(*args)
+    return exported.mlir_module()
+
+
+def test_collection_and_plan_steps_export_for_cuda_and_tpu():
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    coll = js.EmbeddingCollection(
+        [
+            js.TableConfig("a", rows=40, dim=8, combiner="mean"),
+            js.TableConfig("b", rows=64, dim=8, features=("b1", "b2")),
+        ]
+    )
+    tx = js.rowwise_adagrad(0.1)
+    rng = np.random.default_rng(14)
+    ids = {f: jnp.asarray(rng.integers(-1, 40, size=(8, 3))) for f in coll.features}
+    kjt = js.KeyedJaggedIds.from_lists(
+        {f: [[1, 2], [3]] * 4 for f in coll.features}, max_total=64
+    )
+
+    def make_step(lookup):
+        def loss(p, feats, y):
+            extra = {} if isinstance(feats, js.KeyedJaggedIds) else {"padding_id": -1}
+            h = lookup.concat(p["emb"], feats, **extra)
+            return jnp.mean((h @ p["w"] - y) ** 2)
+
+        def step(p, s, feats, y):
+            u, s = tx.update(js.grad(loss)(p, feats, y), s, p)
+            return js.apply_updates(p, u), s
+
+        return step
+
+    params = {"emb": coll.init(jax.random.key(0)), "w": jnp.ones(24)}
+    y = jnp.zeros(8)
+    step = make_step(coll)
+    for feats in (ids, kjt):
+        # the step runs natively on this CPU ...
+        assert js.kernels.explain(step, params, tx.init(params), feats, y).native
+        # ... and exports for the accelerators with no CPU-only call.
+        text = _exported_text(step, params, tx.init(params), feats, y)
+        assert "@jaxslices_" not in text
+    mesh = Mesh(np.array(jax.devices()[:8]), ("model",))
+    plan = js.ShardingPlan(
+        coll, mesh, "model", {"a": "row_wise", "b": "table_wise"}, batch_size=8
+    )
+    pparams = {
+        "emb": plan.shard(params["emb"]),
+        "w": jax.device_put(params["w"], NamedSharding(mesh, P())),
+    }
+    pstate = js.sharded_init(tx, pparams)
+    pids = jax.device_put(ids, NamedSharding(mesh, P("model")))
+    text = _exported_text(make_step(plan), pparams, pstate, pids, y)
+    assert "@jaxslices_" not in text
