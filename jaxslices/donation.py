@@ -68,9 +68,7 @@ _PARAM = re.compile(
 _COPY = re.compile(rf"= {_TYPE}\S* copy(?:-start)?\(%(?P<src>[^\s,)]+)")
 # A fusion XLA names after a copy at its root (``bitcast_copy_fusion``): the
 # copy of a bitcast (a reshape) of its operand.
-_COPY_FUSION = re.compile(
-    rf"%\S*copy\S* = {_TYPE}\S* fusion\(%(?P<src>[^\s,)]+)\)"
-)
+_COPY_FUSION = re.compile(rf"%\S*copy\S* = {_TYPE}\S* fusion\(%(?P<src>[^\s,)]+)\)")
 _BITCAST = re.compile(r"%(?P<name>\S+) = \S+ bitcast\(%(?P<src>[^\s,)]+)\)")
 
 

@@ -598,7 +598,7 @@ def _adam_math(g, m, v, b1, b2, eps, eps_root, bc_mu, bc_nu, bc_mu_next, nestero
 
 def _adam_native(g, st, p, hp, nesterov):
     r = g.shape[1]
-    upd, mu, nu = _adam_math(g, st[:, :r], st[:, r:], *hp, nesterov)
+    upd, mu, nu = _adam_math(g, st[:, :r], st[:, r:], *hp[:7], nesterov)
     return upd, jnp.concatenate([mu, nu], axis=1)
 
 
@@ -736,7 +736,9 @@ def scale_by_lazy_adam(
             [("state.mu_nu", state.mu_nu, 2)],
             method=coalesce_method,
             max_distinct=max_distinct,
-            native=Native(spec, hp, refuse=refuse),
+            # The kernel also takes 1 - b1 and 1 - b2 as the XLA rule makes
+            # them (in Python's float64 for float hyperparameters).
+            native=Native(spec, (*hp, 1 - b1, 1 - b2), refuse=refuse),
         )
         return updates, ScaleByLazyAdamState(count=count, mu_nu=mu_nu)
 

@@ -79,19 +79,20 @@ static inline void ApplyRule(int64_t rule, const Ctx& c, float* g, float* st,
       return;
     }
     case kAdam: {
-      // hp: b1, b2, eps, eps_root, bc_mu, bc_nu, bc_mu_next
+      // hp: b1, b2, eps, eps_root, bc_mu, bc_nu, bc_mu_next, 1 - b1, 1 - b2
       float b1 = hp[0], b2 = hp[1], eps = hp[2], eps_root = hp[3];
       float bc_mu = hp[4], bc_nu = hp[5], bc_next = hp[6];
+      float c1 = hp[7], c2 = hp[8];
       bool nesterov = c.flags & kNesterov;
       float* mu = st;
       float* nu = st + R;
       for (int64_t k = 0; k < R; ++k) {
         float gk = g[k];
-        float m = (1.f - b1) * gk + b1 * mu[k];
-        float v = (1.f - b2) * (gk * gk) + b2 * nu[k];
+        float m = c1 * gk + b1 * mu[k];
+        float v = c2 * (gk * gk) + b2 * nu[k];
         mu[k] = m;
         nu[k] = v;
-        float mu_hat = nesterov ? b1 * (m / bc_next) + (1.f - b1) * (gk / bc_mu)
+        float mu_hat = nesterov ? b1 * (m / bc_next) + c1 * (gk / bc_mu)
                                 : m / bc_mu;
         g[k] = mu_hat / (std::sqrt(v / bc_nu + eps_root) + eps);
       }
