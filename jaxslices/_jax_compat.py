@@ -40,7 +40,9 @@ copied into docs/design.md ("JAX compatibility"); a test checks they agree.
 from __future__ import annotations
 
 import inspect
+import logging
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -58,6 +60,7 @@ __all__ = [
     "abstract_mesh",
     "all_gather_invariant",
     "axis_kinds",
+    "callback_loggers",
     "current_trace",
     "inventory_table",
     "manual_axes",
@@ -263,6 +266,19 @@ ENTRIES: tuple[Entry, ...] = (
         "raising on every device inside `shard_map` (a hang instead of an "
         "error when one device fails)",
     ),
+    Entry(
+        "callback_logs",
+        "the `logger` of `jax._src.callback` and of `jax._src.debugging` (their "
+        '`"jax.pure_callback failed"` / `"jax.debug.callback failed"` records)',
+        "a failed run-time check (`_errors.raise_if`) is logged by JAX with its "
+        "whole traceback, once per device, before JAX raises: a filter makes "
+        "the records of jaxslices' checks one line that starts with the "
+        "message, once per failure",
+        "0.10.2, 0.12.0.1",
+        "no filter: JAX's own log stays (a traceback per device, the message "
+        "at its end); the error raised is the same",
+        "the one-line log of a failed check",
+    ),
 )
 
 _HEADER = ("entry", "JAX names", "why", "versions checked", "fallback", "breaks")
@@ -321,6 +337,17 @@ def _experimental_shard_map() -> Any | None:
     return f
 
 
+def _module_logger(module: str) -> logging.Logger | None:
+    logger = getattr(sys.modules.get(module), "logger", None)
+    return logger if isinstance(logger, logging.Logger) else None
+
+
+# The modules are imported by `import jax`; each logs its callbacks' failures.
+_CALLBACK_LOGGERS = tuple(
+    _module_logger(m) for m in ("jax._src.callback", "jax._src.debugging")
+)
+
+
 #: Whether each entry's JAX names are there. Read at call time; tests switch
 #: an entry off with ``monkeypatch.setitem(AVAILABLE, name, False)``.
 AVAILABLE: dict[str, bool] = {
@@ -336,6 +363,7 @@ AVAILABLE: dict[str, bool] = {
     "key_impl_names": True,  # structural checks in register_key_impl_names
     "key_full_rule": True,  # structural checks in wrap_key_full_rule
     "manual_axes": hasattr(jax.sharding, "get_abstract_mesh"),
+    "callback_logs": all(logger is not None for logger in _CALLBACK_LOGGERS),
 }
 
 assert set(AVAILABLE) == {e.name for e in ENTRIES}
@@ -548,6 +576,19 @@ def shard_map(f: Callable, mesh: Any, in_specs: Any, out_specs: Any) -> Callable
             f"{OLDEST_TESTED} and {NEWEST_TESTED}."
         )
     return legacy(f, mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+# ---------------------------------------------------------- callback logs
+
+
+def callback_loggers() -> tuple[logging.Logger, ...]:
+    """The loggers JAX writes a failed callback to (entry ``callback_logs``).
+
+    ``()`` when the entry is unavailable: then nothing is filtered.
+    """
+    if not AVAILABLE["callback_logs"]:
+        return ()
+    return tuple(logger for logger in _CALLBACK_LOGGERS if logger is not None)
 
 
 # -------------------------------------------------------- key-array class
