@@ -45,6 +45,26 @@ devices; ``tests/scale/test_errors.py``):
   ``where(token != 0, 0, guard)`` (``token`` is the ``cond``'s result, zero
   when the check passes: XLA cannot fold it away, and it costs one integer
   ``xor`` or one select per element, fused into what uses it).
+* **What the user reads.** JAX, not jaxslices, writes the first line of the
+  error it raises: jaxlib turns the callback's exception into the text
+  ``INTERNAL: CpuCallback error calling callback: Traceback (most recent call
+  last):``, then the frames, then ``ValueError: <the message>`` last (on JAX
+  0.10.2 and 0.12; the same on every device and process; measured, and
+  asserted by ``tests/scale/test_errors.py``). Neither the exception's type
+  nor its text nor JAX's traceback filtering changes that first line (the
+  frames are formatted in C++, after the exception has left Python; nothing
+  of jaxslices runs between the callback and the user's call). Before it
+  raises, though, JAX logs the failed callback (logger ``jax._src.callback``,
+  ``"jax.pure_callback failed"`` and the whole traceback, at ``ERROR``, once
+  per device: 8 tracebacks on 8 devices), and that log is what a script or
+  notebook prints first. jaxslices makes that record one line that starts
+  with its own message (``jaxslices check failed: <the message>``), written
+  once per failure, not per device (the same text within
+  :data:`LOG_REPEAT_S` seconds is not repeated): a filter on JAX's callback
+  loggers (``_jax_compat`` entry ``callback_logs``) that changes only records
+  of exceptions raised by :func:`raise_if`; every other record is left as it
+  is. The callback raises the error itself, so the message's traceback holds
+  one jaxslices frame.
 * The alternatives measured: ``jax.debug.callback`` (runs on device 0 only
   under ``jit``: a hang whenever a collective follows), a callback without
   the global predicate (only the failing device stops: a hang), and
@@ -61,6 +81,9 @@ collectives.
 from __future__ import annotations
 
 import functools
+import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,6 +115,16 @@ def _global(x: jax.Array, how: str, axes: tuple[str, ...]) -> jax.Array:
     return _REDUCE[how](x, axes)
 
 
+#: Seconds within which the log line of the same failure is not written
+#: again (the callback runs on every device of a mesh: one line, not one per
+#: device).
+LOG_REPEAT_S = 1.0
+
+#: Set on every exception a failed check raises under ``jit``; the log filter
+#: changes the records of these exceptions only.
+_MARK = "_jaxslices_check"
+
+
 def _failure(error: Callable[..., Exception], pred: Any, *payload: Any) -> Any:
     """``error(*payload)`` if any ``pred`` (the first failing element under vmap)."""
     pred = np.asarray(pred)
@@ -101,9 +134,16 @@ def _failure(error: Callable[..., Exception], pred: Any, *payload: Any) -> Any:
     if values and values[0].ndim:  # batched by vmap: report the first failure
         first = int(np.argmax(pred.reshape(-1)))
         values = [v.reshape(-1)[first] for v in values]
-    return error(*(int(v) for v in values))
+    failure = error(*(int(v) for v in values))
+    try:
+        setattr(failure, _MARK, True)
+    except AttributeError:  # pragma: no cover - an exception type with slots
+        pass
+    return failure
 
 
+# Raised in the function the callback calls: one jaxslices frame in the
+# traceback JAX puts into its error.
 def _host_check(error: Callable[..., Exception], pred: Any, *payload: Any) -> None:
     """The effectful check (``always=True``): raise the error itself."""
     failure = _failure(error, pred, *payload)
@@ -113,14 +153,60 @@ def _host_check(error: Callable[..., Exception], pred: Any, *payload: Any) -> No
 
 def _host_token(error: Callable[..., Exception], pred: Any, *payload: Any) -> Any:
     """The pure check (the default): raise, or zeros shaped like ``pred``."""
-    _host_check(error, pred, *payload)
+    failure = _failure(error, pred, *payload)
+    if failure is not None:
+        raise failure
     return np.zeros(np.shape(pred), np.int32)
+
+
+class _OneLineLog(logging.Filter):
+    """JAX's log of a failed callback, as one line, for jaxslices' checks only.
+
+    JAX logs ``"jax.pure_callback failed"`` (``"jax.debug.callback failed"``)
+    with the whole traceback, once per device, before it raises. For an
+    exception raised by :func:`raise_if` the record becomes
+    ``jaxslices check failed: <message>`` without the traceback (the error
+    JAX raises carries it), and the same text within :data:`LOG_REPEAT_S`
+    seconds is dropped. Every other record passes unchanged.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._last: tuple[str, float] = ("", float("-inf"))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if isinstance(record.exc_info, tuple) else None
+        if not getattr(exc, _MARK, False):
+            return True
+        text = f"jaxslices check failed: {exc}"
+        now = time.monotonic()
+        with self._lock:
+            last, when = self._last
+            if text == last and now - when < LOG_REPEAT_S:
+                return False
+            self._last = (text, now)
+        record.msg, record.args = text, ()
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+_LOG_FILTER = _OneLineLog()
+
+
+def _install_log_filter() -> None:
+    """Add :data:`_LOG_FILTER` to JAX's callback loggers (once; entry
+    ``callback_logs``: without it, JAX's own log stays)."""
+    for logger in _jax_compat.callback_loggers():
+        if _LOG_FILTER not in logger.filters:
+            logger.addFilter(_LOG_FILTER)
 
 
 def _fire(
     error: Callable[..., Exception], pred: Any, payload: Sequence[Any], always: bool
 ) -> Any:
     """Zero if ``pred`` is false; otherwise a callback that raises ``error``."""
+    _install_log_filter()
 
     def failed(pred, *payload):
         if always:
@@ -201,7 +287,12 @@ def raise_if(
     Raises:
       The exception ``error`` builds, eagerly; under ``jit``,
       ``jax.errors.JaxRuntimeError`` (``ValueError`` on later calls of a
-      compiled step) carrying its message, on every process.
+      compiled step) carrying its message, on every process. Its text is
+      JAX's: the first line ``INTERNAL: CpuCallback error calling callback:
+      Traceback (most recent call last):``, the last ``<type>: <message>``.
+      Before it is raised, the message is logged as one line,
+      ``jaxslices check failed: <message>``, at ``ERROR`` on JAX's callback
+      logger.
 
     Example:
       >>> import jax, jax.numpy as jnp

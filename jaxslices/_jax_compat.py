@@ -1,8 +1,11 @@
 """Internal: every private or version-dependent JAX name jaxslices uses.
 
-jaxslices supports JAX 0.10.2 (the oldest, tested on Python 3.11) up to the
-0.12 line (the newest, 0.12.0.1 tested on Python 3.12); CI runs the whole
-suite on both. Everything else in the default path (the tape backend of
+jaxslices supports JAX 0.10.2 and newer; it is tested on 0.10.2 (the oldest,
+on Python 3.11) and on the 0.12 line (the newest tested, 0.12.0.1 on Python
+3.12): CI runs the whole suite on both. :data:`NEWEST_TESTED` is the one
+place that says which JAX is the newest tested (``.ci/run`` reads it; JAX has
+no upper bound in ``pyproject.toml``, so that installing jaxslices never
+downgrades a newer JAX). Everything else in the default path (the tape backend of
 :func:`jaxslices.value_and_grad`, the typed indices, the sharding helpers) uses
 public JAX only. The names that are private to JAX (``jax._src``, attributes of
 JAX's internal objects) or that moved between releases are reached through
@@ -23,10 +26,12 @@ The one version parse of the package is :data:`JAX_VERSION`
 (:func:`parse_version`); the version gates below and the opt-in native backend's
 gate (``jaxslices/native/_hijax.py``, which keeps its experimental hijax names there,
 as the separate opt-in unit) read it. On a JAX newer than the newest tested
-line, the default path keeps working on the entries' structural checks; the
-two version-gated entries take their conservative side (the key-array
-messages are not installed, ``jaxslices.native`` refuses to import with an
-error naming the default backend).
+line (from :data:`UNTESTED_FROM`), ``import jaxslices`` warns once
+(:class:`UntestedJaxWarning`, naming the tested range), the default path keeps
+working on the entries' structural checks, and the two version-gated pieces
+take their conservative side (the key-array messages are not installed,
+``jaxslices.native`` refuses to import with an error naming the default
+backend). Raising :data:`NEWEST_TESTED` moves all three.
 
 Public JAX names the package uses directly, because they are stable over the
 supported range, are not entries: ``jax.typeof`` (JAX >= 0.6),
@@ -40,7 +45,9 @@ copied into docs/design.md ("JAX compatibility"); a test checks they agree.
 from __future__ import annotations
 
 import inspect
+import logging
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -55,9 +62,12 @@ __all__ = [
     "KEY_ARRAY_CLASS_VERSIONS",
     "NEWEST_TESTED",
     "OLDEST_TESTED",
+    "UNTESTED_FROM",
+    "UntestedJaxWarning",
     "abstract_mesh",
     "all_gather_invariant",
     "axis_kinds",
+    "callback_loggers",
     "current_trace",
     "inventory_table",
     "manual_axes",
@@ -69,6 +79,7 @@ __all__ = [
     "trace_state",
     "varying_axes",
     "version_in",
+    "warn_if_untested",
     "vmap_route",
     "wrap_key_full_rule",
     "Primitive",
@@ -85,7 +96,9 @@ __all__ = [
 
 # ------------------------------------------------------------------ versions
 
-OLDEST_TESTED = "0.10.2"  # Python 3.11, CI leg 1
+OLDEST_TESTED = "0.10.2"  # Python 3.11, CI leg 1 (pyproject's lower bound)
+# The newest JAX the suite passed on (CI leg 2, whose check reads this line):
+# its whole line (0.12.x) counts as tested.
 NEWEST_TESTED = "0.12.0.1"  # Python 3.12, CI leg 2
 
 
@@ -109,6 +122,47 @@ def parse_version(text: str) -> tuple[int, int, int]:
 
 #: The installed JAX, as ``(major, minor, patch)``: the package's one parse.
 JAX_VERSION: tuple[int, int, int] = parse_version(jax.__version__)
+
+
+#: The first JAX line not tested: the minor release after :data:`NEWEST_TESTED`.
+UNTESTED_FROM: tuple[int, int, int] = (
+    parse_version(NEWEST_TESTED)[0],
+    parse_version(NEWEST_TESTED)[1] + 1,
+    0,
+)
+
+
+class UntestedJaxWarning(UserWarning):
+    """The installed JAX is newer than the newest line jaxslices was tested on."""
+
+
+_warned_untested = False
+
+
+def warn_if_untested() -> bool:
+    """Warn once per process if JAX is at or past :data:`UNTESTED_FROM`.
+
+    Called when jaxslices is imported. Returns whether it warned now.
+    """
+    global _warned_untested
+    if _warned_untested or JAX_VERSION < UNTESTED_FROM:
+        return False
+    _warned_untested = True
+    below = ".".join(map(str, UNTESTED_FROM[:2]))
+    newest = ".".join(map(str, parse_version(NEWEST_TESTED)[:2]))
+    warnings.warn(
+        f"jaxslices is tested with JAX {OLDEST_TESTED} to {newest}.x (newest "
+        f"tested: {NEWEST_TESTED}); JAX {jax.__version__} is installed, a newer "
+        "line that has not been tested. The default path should work (it "
+        "reaches JAX's private names through checked entries whose fallbacks "
+        'stay correct: docs/design.md, "JAX compatibility"); jaxslices.native '
+        "will not import. If something fails, install a tested JAX "
+        f'(pip install "jax<{below}", with your platform\'s extra) and report '
+        "it. This warning is shown once.",
+        UntestedJaxWarning,
+        stacklevel=2,
+    )
+    return True
 
 
 def version_in(lo: tuple[int, ...], hi: tuple[int, ...]) -> bool:
@@ -307,6 +361,19 @@ ENTRIES: tuple[Entry, ...] = (
         "operands that vary over mesh axes: the XLA path (decided at trace time)",
         "native kernels inside `shard_map` with device-varying operands",
     ),
+    Entry(
+        "callback_logs",
+        "the `logger` of `jax._src.callback` and of `jax._src.debugging` (their "
+        '`"jax.pure_callback failed"` / `"jax.debug.callback failed"` records)',
+        "a failed run-time check (`_errors.raise_if`) is logged by JAX with its "
+        "whole traceback, once per device, before JAX raises: a filter makes "
+        "the records of jaxslices' checks one line that starts with the "
+        "message, once per failure",
+        "0.10.2, 0.12.0.1",
+        "no filter: JAX's own log stays (a traceback per device, the message "
+        "at its end); the error raised is the same",
+        "the one-line log of a failed check",
+    ),
 )
 
 _HEADER = ("entry", "JAX names", "why", "versions checked", "fallback", "breaks")
@@ -405,6 +472,17 @@ _MAT_OK = (
 )
 
 
+def _module_logger(module: str) -> logging.Logger | None:
+    logger = getattr(sys.modules.get(module), "logger", None)
+    return logger if isinstance(logger, logging.Logger) else None
+
+
+# The modules are imported by `import jax`; each logs its callbacks' failures.
+_CALLBACK_LOGGERS = tuple(
+    _module_logger(m) for m in ("jax._src.callback", "jax._src.debugging")
+)
+
+
 #: Whether each entry's JAX names are there. Read at call time; tests switch
 #: an entry off with ``monkeypatch.setitem(AVAILABLE, name, False)``.
 AVAILABLE: dict[str, bool] = {
@@ -423,6 +501,7 @@ AVAILABLE: dict[str, bool] = {
     "ffi_primitive": _FFI_OK,
     "lowering_context": _CTX_OK,
     "manual_axis_avals": _MAT_OK,
+    "callback_logs": all(logger is not None for logger in _CALLBACK_LOGGERS),
 }
 
 assert set(AVAILABLE) == {e.name for e in ENTRIES}
@@ -637,11 +716,24 @@ def shard_map(f: Callable, mesh: Any, in_specs: Any, out_specs: Any) -> Callable
     return legacy(f, mesh, in_specs=in_specs, out_specs=out_specs)
 
 
+# ---------------------------------------------------------- callback logs
+
+
+def callback_loggers() -> tuple[logging.Logger, ...]:
+    """The loggers JAX writes a failed callback to (entry ``callback_logs``).
+
+    ``()`` when the entry is unavailable: then nothing is filtered.
+    """
+    if not AVAILABLE["callback_logs"]:
+        return ()
+    return tuple(logger for logger in _CALLBACK_LOGGERS if logger is not None)
+
+
 # -------------------------------------------------------- key-array class
 
 #: JAX versions whose key-array class layout was checked (lo inclusive, hi
 #: exclusive): the ``key_array_class`` patch is applied only there.
-KEY_ARRAY_CLASS_VERSIONS = ((0, 5, 3), (0, 13, 0))
+KEY_ARRAY_CLASS_VERSIONS = ((0, 5, 3), UNTESTED_FROM)
 
 
 def patch_key_array_class(cls: type, wrap: Callable[[str, Any], Any]) -> bool:
@@ -826,3 +918,8 @@ def native_out_aval(shape: tuple[int, ...], dtype: Any, avals_in: Any) -> Any:
     sharding = _core.get_cur_mesh_sharding(PartitionSpec(*([None] * len(shape))))
     mat = _core.ManualAxisType(varying=varying)
     return _core.ShapedArray(shape, dtype, sharding=sharding, manual_axis_type=mat)
+
+
+# ------------------------------------------------------------------- import
+
+warn_if_untested()

@@ -259,7 +259,10 @@ def jagged_from_lengths(
         offsets = _errors.raise_if(
             jnp.any(lengths < 0),
             offsets,
-            lambda n_neg: ValueError(f"{where}: {n_neg} of `lengths` are negative."),
+            lambda n_neg: ValueError(
+                f"{where}: {n_neg} of `lengths` are negative; every bag's "
+                "length must be >= 0."
+            ),
             jnp.sum(lengths < 0),
         )
         offsets = _errors.raise_if(offsets[-1] > limit, offsets, error, offsets[-1])

@@ -5,10 +5,11 @@ in a child process so that a hang cannot take the test run with it) and by
 ``tests/_multihost_worker.py`` (2 processes x 4 devices,
 ``tests/scale/test_sharding_multihost.py``). Every case builds
 its data with :func:`global_array`, so it runs the same in both settings, and
-returns ``{"raised": bool, "message": str, "seconds": float, "after": ...}``:
-whether the failing step raised in this process, the error's last line, how
-long it took, and the result of a correct step run afterwards (the process and
-its devices must still work).
+returns ``{"raised": bool, "first": str, "message": str, "seconds": float,
+"after": ...}``: whether the failing step raised in this process, the error's
+first line (JAX's) and last line (jaxslices' message), how long it took, and
+the result of a correct step run afterwards (the process and its devices must
+still work).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def _attempt(fn, *args) -> dict:
         return {
             "raised": True,
             "type": type(e).__name__,
+            "first": lines[0] if lines else "",
             "message": lines[-1] if lines else "",
             "seconds": time.time() - t0,
         }

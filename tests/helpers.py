@@ -13,8 +13,16 @@ ROW_SHAPES = [(), (3,), (2, 3)]
 
 #: What a failed run-time check raises under ``jit``: JAX reports a callback's
 #: error as ``JaxRuntimeError`` on its Python dispatch path (a step's first
-#: call) and as ``ValueError`` on its C++ fast path (later calls), JAX 0.10-0.12.
+#: call) and as ``ValueError`` on its C++ fast path (later calls, once a call
+#: has passed), JAX 0.10-0.12.
 CHECK_FAILED = (jax.errors.JaxRuntimeError, ValueError)
+#: The first line of the error JAX raises for a failed check under ``jit``
+#: (jaxlib's text; jaxslices' message is the last line): JAX 0.10.2 and 0.12.
+JAX_FIRST_LINE = (
+    "INTERNAL: CpuCallback error calling callback: Traceback (most recent call last):"
+)
+#: How jaxslices logs a failed check under ``jit`` (one line, before the error).
+LOGGED = "jaxslices check failed: "
 
 
 def tol(dtype) -> dict:

@@ -46,7 +46,8 @@ tables. Shardings are not modelled on the types (no ``shard_map``/explicit
 sharding support; JAX raises its own error). This module needs JAX >= 0.10.2
 and < 0.13 (tested on 0.10.2 and 0.12.0.1; see ``jaxslices/native/_hijax.py``);
 importing it on another JAX raises ``UnsupportedJaxError`` (an
-``ImportError``) naming the default backend.
+``ImportError``) naming the default backend, which runs on newer JAX too
+(with a warning that the line is untested).
 """
 
 from __future__ import annotations

@@ -32,12 +32,17 @@ parse) and papers over the differences we know of:
 ``tests/lib/test_native.py`` passes on JAX 0.10.2 (Python 3.11) and JAX 0.12.0.1
 (Python 3.12), both in CI; it passed on 0.11.0 when that was current.
 
-:data:`SUPPORTED_RANGE` is 0.10.2 up to (not including) 0.13: every 0.12.x
-release is accepted, as the 0.12 line is tested. On any other JAX (older, or a
-newer line not yet tested: hijax is experimental and changed in every line so
-far), :func:`require` raises :class:`UnsupportedJaxError` naming the versions
-that are known to work and the default path (:func:`jaxslices.value_and_grad`),
-which needs none of this.
+:data:`SUPPORTED_RANGE` is 0.10.2 up to (not including) 0.13
+(:data:`jaxslices._jax_compat.UNTESTED_FROM`, the line after the newest tested
+one): every 0.12.x release is accepted, as the 0.12 line is tested. On any
+other JAX (older, or a newer line not yet tested: hijax is experimental and
+changed in every line so far), :func:`require` raises
+:class:`UnsupportedJaxError` naming the versions that are known to work and
+the default path (:func:`jaxslices.value_and_grad`), which needs none of this.
+The default path itself has no upper bound: on a newer line it runs, with a
+warning that the line is untested (``docs/design.md``, "JAX compatibility");
+the native backend refuses instead, because an experimental API that changed
+in every line would more likely fail in ways a warning does not cover.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ __all__ = [
 
 #: Inclusive lower bound, exclusive upper bound, compared with
 #: ``_jax_compat.JAX_VERSION`` (major, minor, patch).
-SUPPORTED_RANGE = ((0, 10, 2), (0, 13, 0))
+SUPPORTED_RANGE = ((0, 10, 2), _jax_compat.UNTESTED_FROM)
 
 
 class UnsupportedJaxError(ImportError):
@@ -127,7 +132,10 @@ def require() -> None:
             f"{_jax_compat.OLDEST_TESTED} and {_jax_compat.NEWEST_TESTED}); JAX "
             f"{jax.__version__} is installed and {problem}. Use the default "
             "backend instead: jaxslices.value_and_grad / jaxslices.grad with "
-            "jaxslices.embedding_lookup work on every supported JAX."
+            "jaxslices.embedding_lookup need no experimental JAX API and run on "
+            f"every JAX >= {_jax_compat.OLDEST_TESTED} (on a line newer than "
+            f"the newest tested, {_jax_compat.NEWEST_TESTED}, with a warning "
+            "that it is untested)."
         )
 
 

@@ -13,8 +13,12 @@ be noticed too.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import tokenize
+import warnings
 from pathlib import Path
 
 import _mesh
@@ -354,6 +358,88 @@ def test_typed_index_messages(off):
 
 
 # ------------------------------------------------------------- version gates
+
+
+@pytest.fixture
+def fresh_warning(monkeypatch):
+    """The once-per-process warning, not yet given."""
+    monkeypatch.setattr(_jax_compat, "_warned_untested", False)
+
+
+def test_a_newer_jax_warns_once_naming_the_tested_range(monkeypatch, fresh_warning):
+    monkeypatch.setattr(_jax_compat, "JAX_VERSION", (0, 13, 0))
+    monkeypatch.setattr(jax, "__version__", "0.13.0")
+    with pytest.warns(_jax_compat.UntestedJaxWarning) as record:
+        assert _jax_compat.warn_if_untested()
+        assert not _jax_compat.warn_if_untested()  # once
+    (w,) = record
+    assert str(w.message).startswith(
+        "jaxslices is tested with JAX 0.10.2 to 0.12.x (newest tested: 0.12.0.1); "
+        "JAX 0.13.0 is installed, a newer line that has not been tested."
+    )
+    assert 'pip install "jax<0.13"' in str(w.message)
+    assert issubclass(_jax_compat.UntestedJaxWarning, UserWarning)
+
+
+@pytest.mark.parametrize("version", [(0, 10, 2), (0, 11, 0), (0, 12, 0), (0, 12, 7)])
+def test_the_tested_lines_do_not_warn(monkeypatch, fresh_warning, version):
+    monkeypatch.setattr(_jax_compat, "JAX_VERSION", version)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not _jax_compat.warn_if_untested()
+
+
+def test_newest_tested_moves_every_gate():
+    # One place: the warning, the key-array gate and the native gate all end
+    # at the line after NEWEST_TESTED.
+    from jaxslices.native import _hijax
+
+    newest = _jax_compat.parse_version(_jax_compat.NEWEST_TESTED)
+    assert _jax_compat.UNTESTED_FROM == (newest[0], newest[1] + 1, 0) == (0, 13, 0)
+    assert _jax_compat.KEY_ARRAY_CLASS_VERSIONS[1] == _jax_compat.UNTESTED_FROM
+    assert _hijax.SUPPORTED_RANGE[1] == _jax_compat.UNTESTED_FROM
+    assert _hijax.SUPPORTED_RANGE[0] == _jax_compat.parse_version(
+        _jax_compat.OLDEST_TESTED
+    )
+
+
+_IMPORT_ON = """
+import warnings, jax
+jax.__version__ = {version!r}
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as got:
+    import jaxslices
+    import jaxslices.transforms, jaxslices.sharding  # more imports: no more
+print("WARNINGS", len(got))
+for w in got:
+    print(w.category.__name__, str(w.message))
+try:
+    import jaxslices.native
+    print("NATIVE ok")
+except ImportError as e:
+    print("NATIVE", type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("version", ["0.13.0", jax.__version__])
+def test_import_on_a_newer_jax_warns_once(version):
+    """``import jaxslices`` with JAX reporting a newer line (in a subprocess)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORT_ON.format(version=version)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    if version == jax.__version__:  # a tested JAX: nothing
+        assert "WARNINGS 0" in out and "NATIVE ok" in out, out
+        return
+    assert "WARNINGS 1" in out, out
+    assert "UntestedJaxWarning jaxslices is tested with JAX 0.10.2 to 0.12.x" in out
+    native = "NATIVE UnsupportedJaxError jaxslices.native needs JAX >= 0.10.2 and <"
+    assert native + " 0.13.0" in out, out
+    assert "run on every JAX >= 0.10.2 (on a line newer than the newest" in out
 
 
 def test_key_array_patch_gate(monkeypatch):

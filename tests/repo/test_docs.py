@@ -108,7 +108,22 @@ def test_ci_runs_the_readme_test_command_verbatim():
 
 
 def test_readme_states_the_tested_jax_range():
+    # The decision (docs/design.md, "JAX compatibility"): a lower bound only,
+    # the oldest tested JAX; the newest tested one is NEWEST_TESTED in
+    # jaxslices/_jax_compat.py, which CI reads.
     pyproject = (ROOT / "pyproject.toml").read_text()
-    bound = re.search(r'"jax(>=[0-9.]+,<[0-9.]+)"', pyproject)
-    assert bound, "pyproject must bound jax on both sides (what CI tests)"
-    assert f"`jax{bound.group(1)}`" in (ROOT / "README.md").read_text()
+    compat = (ROOT / "jaxslices" / "_jax_compat.py").read_text()
+    for name in ("jax", "jaxlib"):
+        bound = re.findall(rf'^ *"{name}([<>=!~][^"]*)",', pyproject, flags=re.M)
+        assert len(bound) == 1 and re.fullmatch(r">=[0-9.]+", bound[0]), (
+            f"pyproject must give {name} a lower bound and no upper bound: {bound}"
+        )
+    oldest = re.search(r'^ *"jax>=([0-9.]+)",', pyproject, flags=re.M).group(1)
+    newest = re.search(r'^NEWEST_TESTED = "([0-9.]+)"', compat, flags=re.M).group(1)
+    assert re.search(rf'^OLDEST_TESTED = "{re.escape(oldest)}"', compat, flags=re.M)
+    readme = (ROOT / "README.md").read_text()
+    assert f"`jax>={oldest}`" in readme and f"({newest})" in readme
+    # .ci/run reads both from there (the sed patterns match these lines).
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "pyproject.toml" in ci and "jaxslices/_jax_compat.py" in ci
+    assert 's/^NEWEST_TESTED = "' in ci and 's/^ *"jax>=' in ci

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from _failure_cases import CASES, EXPECTED
+from helpers import JAX_FIRST_LINE, LOGGED
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "_multihost_worker.py"
@@ -75,11 +76,15 @@ def test_two_processes_four_devices_each(tmp_path):
     # with the same message, and leaves no collective waiting: both went on to
     # run a correct step, with the same result.
     results = [json.loads(o.read_text()) for o in outs]
+    logs = [(tmp_path / f"log{i}.txt").read_text() for i in range(2)]
     for case in CASES:
         got = [r["failures"][case] for r in results]
-        for r in got:
+        for r, log in zip(got, logs, strict=True):
             assert r["raised"], (case, r)
+            assert r["first"] == JAX_FIRST_LINE, (case, r)
             assert EXPECTED[case] in r["message"], (case, r)
+            # Logged as one line, once for the process's 4 devices.
+            assert log.count(LOGGED + EXPECTED[case]) == 1, (case, log[-3000:])
         assert got[0]["message"] == got[1]["message"], case
         assert got[0]["after"] == got[1]["after"], case
 
