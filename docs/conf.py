@@ -65,6 +65,9 @@ napoleon_use_rtype = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True
+# Only jaxslices' own docstrings: an inherited one (Flax's, Equinox's) would
+# show examples that jaxslices' doctests do not run.
+autodoc_inherit_docstrings = False
 add_module_names = True
 python_display_short_literal_types = True
 
