@@ -225,12 +225,12 @@ def main(
 
 
 def save_plot(result: dict, path: Path) -> None:
-    import matplotlib
+    # A bare Figure, not pyplot: switching pyplot's backend (to Agg) here would
+    # stop a notebook that calls this from showing its own plots.
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.subplots()
     tr = np.asarray(result["train_losses"])
     k = max(1, len(tr) // 30)
     smooth = np.convolve(tr, np.ones(k) / k, mode="valid")
@@ -244,7 +244,6 @@ def save_plot(result: dict, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -198,12 +198,12 @@ def _smooth(losses, points=200):
 
 
 def save_plot(result: dict, path: Path) -> None:
-    import matplotlib
+    # A bare Figure, not pyplot: switching pyplot's backend (to Agg) here would
+    # stop a notebook that calls this from showing its own plots.
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig = Figure(figsize=(11, 3.8))
+    a, b = fig.subplots(1, 2)
     styles = {"sparse": ("jaxslices", "-", 3.0), "dense": ("dense optax", "--", 1.5)}
     for name, (label, ls, lw) in styles.items():
         smooth, w = _smooth(result[name]["losses"])
@@ -241,7 +241,6 @@ def save_plot(result: dict, path: Path) -> None:
     b.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
-    plt.close(fig)
 
 
 def environment() -> dict:

@@ -209,22 +209,21 @@ def main(
 
 
 def save_plot(losses, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure, not pyplot: switching pyplot's backend (to Agg) here would
+    # stop a notebook that calls this from showing its own plots.
+    from matplotlib.figure import Figure
 
     path.parent.mkdir(parents=True, exist_ok=True)
     w = max(1, len(losses) // 50)
     smooth = np.convolve(losses, np.ones(w) / w, mode="valid")
-    fig, ax = plt.subplots(figsize=(5, 3.4))
+    fig = Figure(figsize=(5, 3.4))
+    ax = fig.subplots()
     ax.plot(smooth)
     ax.set_xlabel("step")
     ax.set_ylabel("negative-sampling loss")
     ax.set_title("Skip-gram on the Lee corpus (jaxslices)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

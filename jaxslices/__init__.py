@@ -22,6 +22,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import _checkpoint, _moved, transforms
 from . import capacity as capacity
+from . import kernels as kernels
 from . import per_table as per_table
 from . import sharding as sharding
 from ._strict import DenseGradientError as DenseGradientError
@@ -147,6 +148,7 @@ __all__ = [
     "tree_scale",
     "apply_updates",
     "capacity",
+    "kernels",
     "table_copies",
     "sharding",
     "shard_rows",
