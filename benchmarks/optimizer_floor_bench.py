@@ -22,6 +22,15 @@ Paths:
 * ``bounded``: the same with ``max_distinct`` from
   ``jaxslices.capacity.estimate_max_distinct`` over the workload's batches
   (margin 1.25, a multiple of 128). Only for a jaxslices that has it.
+* ``xla``: ``jaxslices``, traced with the native CPU kernels off
+  (``jaxslices.kernels.disabled()``): the XLA path of the same code, in the
+  same process. Only for a jaxslices that has kernels (then ``jaxslices``
+  and ``bounded`` are its native path wherever the kernels run).
+
+``--lookup bag`` reads the table with ``jaxslices.embedding_bag(...,
+combiner="mean")`` (the native path's forward kernel) instead of
+``embedding_lookup(...).mean(1)``; the floor and the hand-written paths are
+the same either way.
 
 Each tree given to ``--trees`` (a directory holding a ``jaxslices`` package)
 is measured in its own child process, the trees taking turns ``--repeats``
@@ -49,7 +58,7 @@ from typing import Any
 import numpy as np
 
 OPTIMIZERS = ("sgd", "clip_sgd", "adagrad", "adam", "rowwise_adagrad", "ftrl")
-PATHS = ("floor_sgd", "hand", "jaxslices", "bounded")
+PATHS = ("floor_sgd", "hand", "jaxslices", "bounded", "xla")
 LR = {
     "sgd": 0.1,
     "clip_sgd": 0.1,
@@ -78,6 +87,7 @@ def child(
     steps: int,
     passes: int,
     seed: int,
+    lookup: str = "rows",
 ) -> dict[str, Any]:
     """Measure every path in this process (jaxslices from ``sys.path``)."""
     import jax
@@ -88,6 +98,7 @@ def child(
     import jaxslices as js
 
     has_bound = hasattr(js, "capacity")
+    has_kernels = hasattr(js, "kernels")
 
     def make_batches(v):
         rng = np.random.default_rng(seed)
@@ -132,6 +143,8 @@ def child(
         }[name]()
 
         def loss_fn(p, ids, y):
+            if lookup == "bag":
+                return head(js.embedding_bag(p["emb"], ids, combiner="mean"), p, y)
             return head(js.embedding_lookup(p["emb"], ids).mean(1), p, y)
 
         def make(p):
@@ -283,11 +296,15 @@ def child(
     class Runner:
         """One compiled, donated step and its live params and state."""
 
-        def __init__(self, make, v, ids, y):
+        def __init__(self, make, v, ids, y, xla=False):
+            import contextlib
+
             p = init_params(v)
             step, state = make(p)
             jitted = jax.jit(step, donate_argnums=(0, 1))
-            self.step = jitted.lower(p, state, ids[0], y).compile()
+            off = js.kernels.disabled() if xla else contextlib.nullcontext()
+            with off:  # the path is chosen when the step is traced
+                self.step = jitted.lower(p, state, ids[0], y).compile()
             self.p, self.state, self.ids, self.y, self.i = p, state, ids, y, 0
             for _ in range(3):
                 self()
@@ -311,7 +328,11 @@ def child(
             makers["jaxslices"] = library(name, None)
             if has_bound and name != "sgd":
                 makers["bounded"] = library(name, bounds[v])
-            runners = {k: Runner(m, v, ids, y) for k, m in makers.items()}
+            if has_kernels:
+                makers["xla"] = library(name, None)
+            runners = {
+                k: Runner(m, v, ids, y, xla=k == "xla") for k, m in makers.items()
+            }
             times = interleave(runners, steps, passes)
             ref = float(np.median(times["floor_sgd"]))
             for k, r in runners.items():
@@ -334,6 +355,8 @@ def child(
     return {
         **environment(),
         "jaxslices_file": js.__file__,
+        "kernels": js.kernels.status() if has_kernels else None,
+        "lookup": lookup,
         "max_distinct": bounds,
         "max_distinct_seen": {v: max(c) for v, c in counts.items()},
         "min_distinct_seen": {v: min(c) for v, c in counts.items()},
@@ -477,6 +500,78 @@ def goals(summary: dict[str, Any], labels: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+def native_markdown(summary: dict[str, Any], labels: list[str]) -> str:
+    """The native path: its ratio to the floor, to its own SGD, to the XLA path."""
+    new = labels[0]
+    if not any(f"{new}/xla" in row for row in summary["rows"]):
+        return ""
+    head = [
+        "V",
+        "optimizer",
+        "native / floor SGD",
+        "native / native SGD",
+        "XLA path / floor SGD",
+        "native / XLA path",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    sgd = {
+        row["num_rows"]: row.get(f"{new}/jaxslices")
+        for row in summary["rows"]
+        if row["optimizer"] == "sgd"
+    }
+    for row in summary["rows"]:
+        nat, xla = row.get(f"{new}/jaxslices"), row.get(f"{new}/xla")
+        base = sgd.get(row["num_rows"])
+        cells = [
+            f"{row['num_rows']:,}",
+            row["optimizer"],
+            _fmt(nat),
+            _fmt(None if nat is None or not base else nat / base),
+            _fmt(xla),
+            _fmt(None if nat is None or not xla else nat / xla),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# Issue 31's goals for the native path (CPU).
+NATIVE_OVER_SGD = 1.5
+
+
+def native_goals(summary: dict[str, Any], labels: list[str]) -> list[dict[str, Any]]:
+    """Every optimizer <= 1.5x the native SGD step; none slower than XLA at 16K."""
+    new = labels[0]
+    out = []
+    sgd = {
+        row["num_rows"]: row.get(f"{new}/jaxslices")
+        for row in summary["rows"]
+        if row["optimizer"] == "sgd"
+    }
+    for row in summary["rows"]:
+        v, opt = row["num_rows"], row["optimizer"]
+        nat, xla = row.get(f"{new}/jaxslices"), row.get(f"{new}/xla")
+        if nat is None or xla is None:
+            continue
+        if opt != "sgd" and sgd.get(v):
+            value = nat / sgd[v]
+            out.append(
+                {
+                    "goal": f"V={v} {opt}: native / native SGD <= {NATIVE_OVER_SGD}",
+                    "value": value,
+                    "met": value <= NATIVE_OVER_SGD,
+                }
+            )
+        if v == min(summary["vs"]):
+            out.append(
+                {
+                    "goal": f"V={v} {opt}: native not slower than the XLA path",
+                    "value": nat / xla,
+                    "met": nat <= xla * 1.05,
+                }
+            )
+    return out
+
+
 def main(
     trees: tuple[str, ...] = (".",),
     labels: tuple[str, ...] | None = None,
@@ -493,6 +588,8 @@ def main(
     out: str | None = None,
     command: str | None = None,
     in_process: bool = False,
+    lookup: str = "rows",
+    tag: str = "",
 ) -> dict[str, Any]:
     """Measure every tree ``repeats`` times (taking turns); print and save.
 
@@ -511,6 +608,7 @@ def main(
         "steps": steps,
         "passes": passes,
         "seed": seed,
+        "lookup": lookup,
     }
     runs: dict[str, list[dict]] = {label: [] for label in labels}
     t0 = time.time()
@@ -534,18 +632,22 @@ def main(
         },
         "runs": runs,
         "summary": summary,
-        "goals": goals(summary, labels),
+        "goals": goals(summary, labels) + native_goals(summary, labels),
         "table": markdown(summary, labels),
+        "native_table": native_markdown(summary, labels),
     }
     env = report["environment"]
     print(f"{env['cpu']} x{env['nproc']} ({env['backend']}), jax {env['jax']}")
     print(f"max_distinct per V (estimated): {first.get('max_distinct')}")
     print(report["table"])
+    if report["native_table"]:
+        print(report["native_table"])
     for g in report["goals"]:
         print(f"{g['goal']}: {g['value']:.2f} {'met' if g['met'] else 'missed'}")
     print("load average (1 min) before/after each child:", report["loads"])
     if out:
-        path = Path(out) / f"optimizer_floor_bench_{env['backend']}.json"
+        suffix = f"_{tag}" if tag else ""
+        path = Path(out) / f"optimizer_floor_bench_{env['backend']}{suffix}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1))
     return report
@@ -561,6 +663,8 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--passes", type=int, default=6)
     p.add_argument("--out", default=None)
+    p.add_argument("--lookup", choices=("rows", "bag"), default="rows")
+    p.add_argument("--tag", default="", help="suffix of the result file's name")
     a = p.parse_args()
     main(
         trees=tuple(a.trees),
@@ -572,4 +676,6 @@ if __name__ == "__main__":
         passes=a.passes,
         out=a.out,
         command="python " + " ".join(sys.argv),
+        lookup=a.lookup,
+        tag=a.tag,
     )

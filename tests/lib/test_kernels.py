@@ -33,10 +33,17 @@ from jaxslices.kernels import _ops
 ROOT = Path(__file__).resolve().parents[2]
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 
-pytestmark = pytest.mark.skipif(
-    not js.kernels.available(),
-    reason=f"needs the native kernels here: {js.kernels.status()}",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        jax.default_backend() != "cpu",
+        reason="the kernels are CPU-only: tests/lib/test_kernels_platform.py "
+        "checks that other platforms take the XLA path",
+    ),
+    pytest.mark.skipif(
+        not js.kernels.available(),
+        reason=f"needs the native kernels here: {js.kernels.status()}",
+    ),
+]
 
 OPTIMIZERS = {
     "sgd": lambda: js.sgd(0.1),

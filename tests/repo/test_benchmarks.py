@@ -60,7 +60,8 @@ def test_step_bench_smoke(bench, tmp_path, optimizer):
         ]
 
 
-def test_optimizer_floor_bench_smoke(bench, tmp_path):
+@pytest.mark.parametrize("lookup", ["rows", "bag"])
+def test_optimizer_floor_bench_smoke(bench, tmp_path, lookup):
     """Every path of one code tree, in this process, saved with its command."""
     ofb = bench("optimizer_floor_bench")
     report = ofb.main(
@@ -76,9 +77,12 @@ def test_optimizer_floor_bench_smoke(bench, tmp_path):
         out=str(tmp_path),
         command="smoke",
         in_process=True,
+        lookup=lookup,
     )
     run = report["runs"]["new"][0]
+    assert run["lookup"] == lookup
     assert {r["path"] for r in run["rows"]} == set(ofb.PATHS)
+    assert "| 256 | adam |" in report["native_table"]
     assert all(math.isfinite(r["final_loss"]) for r in run["rows"])
     assert 0 < run["max_distinct"]["256"] <= 32
     assert "| 256 | adam |" in report["table"]
@@ -112,6 +116,31 @@ def test_optimizer_floor_bench_goals(bench):
     assert not goals[f"V={big} adam: jaxslices / floor SGD <= 2.0"]["met"]
     assert not goals[f"V={small} adam: not slower than old"]["met"]  # 2.2 vs 2.0
     assert "2.10x" in ofb.markdown(summary, ["new", "old"])
+
+
+def test_optimizer_floor_bench_native_goals(bench):
+    """Issue 31: native optimizer <= 1.5x native SGD; not slower than XLA at 16K."""
+    ofb = bench("optimizer_floor_bench")
+    small = 2**14
+    ratios = {
+        (small, "sgd", "jaxslices"): 0.8,
+        (small, "sgd", "xla"): 1.0,
+        (small, "adam", "jaxslices"): 1.6,
+        (small, "adam", "xla"): 1.5,
+    }
+    run = {
+        "rows": [
+            {"num_rows": v, "optimizer": o, "path": p, "ratio_to_floor_sgd": r}
+            for (v, o, p), r in ratios.items()
+        ]
+    }
+    summary = ofb.summarize({"new": [run]}, ["new"])
+    goals = {g["goal"]: g for g in ofb.native_goals(summary, ["new"])}
+    over = goals[f"V={small} adam: native / native SGD <= 1.5"]
+    assert over["value"] == pytest.approx(2.0) and not over["met"]
+    assert not goals[f"V={small} adam: native not slower than the XLA path"]["met"]
+    assert goals[f"V={small} sgd: native not slower than the XLA path"]["met"]
+    assert "2.00x" in ofb.native_markdown(summary, ["new"])
 
 
 def test_step_bench_donation_smoke(bench):
