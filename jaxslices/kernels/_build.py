@@ -49,7 +49,7 @@ TARGETS = {
     "jaxslices_rowwise": "JaxslicesRowwise",
     "jaxslices_apply": "JaxslicesApply",
 }
-BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
+BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 
 class KernelsUnavailableWarning(UserWarning):

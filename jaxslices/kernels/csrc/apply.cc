@@ -12,6 +12,12 @@ static void Apply(const Recipe<Id>& r, float* table, int64_t num_rows,
   const int64_t R = r.row;
   if (!sum_duplicates || coalesced) {
     for (int64_t s = 0; s < r.num_slots; ++s) {
+      if (s + kPrefetch < r.num_slots) {
+        Id ahead = r.ids[s + kPrefetch];
+        if (ahead >= 0 && ahead < num_rows) {
+          PrefetchRow(table + static_cast<int64_t>(ahead) * R, R, true);
+        }
+      }
       Id id = r.ids[s];
       if (id < 0 || id >= num_rows) continue;
       const float* x = r.source(s);
@@ -21,12 +27,16 @@ static void Apply(const Recipe<Id>& r, float* table, int64_t num_rows,
     return;
   }
   std::vector<float>& acc = ThreadScratch<float>();
-  std::vector<Id> uids(r.num_slots);
+  std::vector<Id>& uids = ThreadScratch<Id>();
   if (static_cast<int64_t>(acc.size()) < r.num_slots * R) acc.resize(r.num_slots * R);
+  if (static_cast<int64_t>(uids.size()) < r.num_slots) uids.resize(r.num_slots);
   int64_t total = 0;
   int64_t count =
       Coalesce(r, num_rows, false, r.num_slots, acc.data(), uids.data(), &total);
   for (int64_t j = 0; j < count; ++j) {
+    if (j + kPrefetch < count) {
+      PrefetchRow(table + static_cast<int64_t>(uids[j + kPrefetch]) * R, R, true);
+    }
     float* t = table + static_cast<int64_t>(uids[j]) * R;
     const float* a = acc.data() + j * R;
     for (int64_t k = 0; k < R; ++k) t[k] += a[k];

@@ -17,6 +17,12 @@ static void BagForward(const float* table, int64_t num_rows, int64_t row,
       bool first = true;
       for (int64_t j = 0; j < length; ++j) {
         int64_t s = b * length + j;
+        if (s + kPrefetch < num_slots) {
+          Id ahead = ids[s + kPrefetch];
+          if (ahead >= 0 && ahead < num_rows) {
+            PrefetchRow(table + static_cast<int64_t>(ahead) * row, row, false);
+          }
+        }
         Id id = ids[s];
         if (id < 0 || id >= num_rows) continue;
         float w = weight ? weight[s] : 1.0f;
@@ -35,6 +41,12 @@ static void BagForward(const float* table, int64_t num_rows, int64_t row,
   }
   std::memset(out, 0, sizeof(float) * num_bags * row);
   for (int64_t s = 0; s < num_slots; ++s) {
+    if (s + kPrefetch < num_slots) {
+      Id ahead = ids[s + kPrefetch];
+      if (ahead >= 0 && ahead < num_rows) {
+        PrefetchRow(table + static_cast<int64_t>(ahead) * row, row, false);
+      }
+    }
     int64_t b = bag[s];
     if (b < 0 || b >= num_bags) continue;
     Id id = ids[s];

@@ -72,19 +72,26 @@ inline int64_t Leading(const ffi::AnyBuffer& b) {
 }
 
 // Open-addressing map from a row id to its slot among the distinct ids, in
-// order of first appearance. Reused between calls (one per thread).
+// order of first appearance. Reused between calls (one per thread): a
+// generation stamp marks the entries of the current call, so starting a call
+// costs nothing (no clearing) until the stamp wraps around.
 class IdMap {
  public:
   void Reset(int64_t n) {
     int64_t cap = 16;
     while (cap < 2 * n) cap <<= 1;
     if (static_cast<int64_t>(keys_.size()) < cap) {
-      keys_.resize(cap);
-      vals_.resize(cap);
+      keys_.assign(cap, 0);
+      vals_.assign(cap, 0);
+      stamps_.assign(cap, 0);
+      gen_ = 0;
     }
     cap_ = cap;
     mask_ = cap - 1;
-    std::fill(vals_.begin(), vals_.begin() + cap, -1);
+    if (++gen_ == 0) {  // wrapped: clear the stamps once
+      std::fill(stamps_.begin(), stamps_.end(), 0);
+      gen_ = 1;
+    }
   }
 
   // The slot of `id`, inserting it as slot `next` if new (then *inserted).
@@ -92,16 +99,16 @@ class IdMap {
     uint64_t h = static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull;
     int64_t i = static_cast<int64_t>(h >> 17) & mask_;
     while (true) {
-      int64_t v = vals_[i];
-      if (v < 0) {
+      if (stamps_[i] != gen_) {
+        stamps_[i] = gen_;
         keys_[i] = id;
-        vals_[i] = next;
+        vals_[i] = static_cast<int32_t>(next);
         *inserted = true;
         return next;
       }
       if (keys_[i] == id) {
         *inserted = false;
-        return v;
+        return vals_[i];
       }
       i = (i + 1) & mask_;
     }
@@ -109,7 +116,9 @@ class IdMap {
 
  private:
   std::vector<int64_t> keys_;
-  std::vector<int64_t> vals_;
+  std::vector<int32_t> vals_;
+  std::vector<uint32_t> stamps_;
+  uint32_t gen_ = 0;
   int64_t cap_ = 0;
   int64_t mask_ = 0;
 };
@@ -123,6 +132,24 @@ template <typename T>
 std::vector<T>& ThreadScratch() {
   thread_local std::vector<T> v;
   return v;
+}
+
+// How many rows ahead the loops over random table/state rows prefetch: a
+// row of a large table is a cache (and TLB) miss; the loops' own work per
+// row is short, so they wait on memory without it.
+constexpr int64_t kPrefetch = 8;
+
+// Prefetch the cache lines of one row of `n` floats (for writing if `write`).
+inline void PrefetchRow(const float* p, int64_t n, bool write) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(float));
+  for (int64_t b = 0; b < bytes; b += 64) {
+    if (write) {
+      __builtin_prefetch(c + b, 1, 3);
+    } else {
+      __builtin_prefetch(c + b, 0, 3);
+    }
+  }
 }
 
 // acc[0:R] (+)= f * x[0:R]

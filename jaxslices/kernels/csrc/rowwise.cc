@@ -170,6 +170,11 @@ static ffi::Error Rowwise(const Recipe<Id>& r, int64_t rule, int64_t flags,
   Ctx c{r.row, hp, flags};
   if (rule != kCoalesce) {
     for (int64_t j = 0; j < count; ++j) {
+      if (j + kPrefetch < count) {
+        int64_t ahead = static_cast<int64_t>(uids[j + kPrefetch]);
+        if (state) PrefetchRow(state + ahead * state_row, state_row, true);
+        if (params) PrefetchRow(params + ahead * r.row, r.row, false);
+      }
       int64_t id = static_cast<int64_t>(uids[j]);
       float* st = state ? state + id * state_row : nullptr;
       const float* p = params ? params + id * r.row : nullptr;
