@@ -330,6 +330,8 @@ def embedding_bag(
         # Padding reads zeros and gets no gradient: send it out of range.
         present = jnp.asarray(present)
         safe = jnp.where(present, safe, num_rows)
+    if max_norm is not None and handler is None:
+        kernel_ops.note(where, "max_norm (the bag kernel does not renormalise rows)")
     if (
         handler is None
         and max_norm is None

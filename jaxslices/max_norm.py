@@ -45,6 +45,7 @@ from jax.typing import ArrayLike
 
 from . import _coalesce, _ids
 from .jagged import JaggedIds, check_jagged, segment_ids
+from .kernels import _ops as kernel_ops
 
 __all__ = ["apply_max_norm", "check_max_norm", "renorm_rows"]
 
@@ -126,6 +127,13 @@ def renorm_rows(
     return scaled + (rows - jax.lax.stop_gradient(rows))
 
 
+def _max_norm_native(g, st, p, hp, cfg):
+    """The kernel's rule on ``[K, R]`` rows (its XLA reference): rows scaled."""
+    max_norm, norm_type = cfg
+    scale = _scales(st, max_norm, norm_type)
+    return g, st * scale[:, None]
+
+
 def apply_max_norm(
     table: ArrayLike,
     ids: ArrayLike | JaggedIds,
@@ -175,6 +183,26 @@ def apply_max_norm(
         flat = jnp.where(used, flat, num_rows)
     else:
         flat = _ids.safe_ids(_ids.as_ids(ids, where), num_rows).reshape(-1)
+    if table.ndim >= 1 and kernel_ops.route(where, table, flat):
+        # One kernel: each distinct row read, renormalised in place if needed.
+        hp = (max_norm, norm_type, EPS)
+        spec = kernel_ops.RuleSpec(
+            "max_norm",
+            _max_norm_native,
+            cfg=(float(max_norm), float(norm_type)),
+            uses_state=True,
+        )
+        new, *_ = kernel_ops.rowwise(
+            kernel_ops.Recipe(jnp.zeros((1, math.prod(table.shape[1:])), table.dtype)),
+            flat,
+            num_rows=num_rows,
+            spec=spec,
+            hp=hp,
+            state=table,
+            capacity=flat.shape[0],
+            label=where,
+        )
+        return new
     uniq, _ = _coalesce.unique_with_inverse(flat, sentinel=num_rows)
     rows = table.at[uniq].get(mode="fill", fill_value=0)
     scale = _scales(rows, max_norm, norm_type)

@@ -686,3 +686,25 @@ def test_collection_and_plan_steps_export_for_cuda_and_tpu():
     pids = jax.device_put(ids, NamedSharding(mesh, P("model")))
     text = _exported_text(make_step(plan), pparams, pstate, pids, y)
     assert "@jaxslices_" not in text
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf"), 3.0])
+def test_apply_max_norm_native_equals_xla(norm_type):
+    rng = np.random.default_rng(15)
+    table = jnp.asarray(rng.normal(size=(30, 2, 3)) * 2, jnp.float32)
+    ids = jnp.asarray([[1, 1, 5], [7, 33, -1], [5, 0, 0]])
+    bags = js.jagged_from_lists([[1, 1], [5, 7], [29]], max_total=8)
+
+    def f(t, ids):
+        return js.apply_max_norm(t, ids, 1.5, norm_type=norm_type)
+
+    for x in (ids, bags):
+        got = jax.jit(f)(table, x)
+        with _xla():
+            want = jax.jit(f)(table, x)
+        np.testing.assert_allclose(got, want, **TOL)
+    assert js.kernels.explain(f, table, ids).native
+    report = js.kernels.explain(
+        lambda t, i: js.embedding_bag(t, i, max_norm=1.0), table, ids
+    )
+    assert "max_norm" in str(report) and not report.native

@@ -21,6 +21,7 @@ enum Rule : int64_t {
   kTrace = 6,        // momentum: t = g + decay * t               hp: decay
   kDecay = 7,        // weight decay: out = g + wd * p            hp: wd
   kFtrl = 8,         // FTRL-proximal, n|z packed per row         hp: below
+  kMaxNorm = 9,      // PyTorch's max_norm on the state (a table)  hp: below
 };
 
 // clip(x, -d, d) that keeps NaN (as jnp.clip; fmin/fmax would drop it).
@@ -134,6 +135,28 @@ static inline void ApplyRule(int64_t rule, const Ctx& c, float* g, float* st,
         n[k] = n_new;
         z[k] = z_new;
         g[k] = p_new - pk;
+      }
+      return;
+    }
+    case kMaxNorm: {
+      // hp: max_norm, norm_type (p; inf: the largest entry), eps (1e-7).
+      // The state is the table itself: its row is scaled in place.
+      float m = hp[0], p_type = hp[1], eps = hp[2];
+      float norm = 0.f;
+      if (std::isinf(p_type)) {
+        for (int64_t k = 0; k < R; ++k) norm = std::fmax(norm, std::fabs(st[k]));
+      } else if (p_type == 2.f) {
+        for (int64_t k = 0; k < R; ++k) norm += st[k] * st[k];
+        norm = std::sqrt(norm);
+      } else if (p_type == 1.f) {
+        for (int64_t k = 0; k < R; ++k) norm += std::fabs(st[k]);
+      } else {
+        for (int64_t k = 0; k < R; ++k) norm += std::pow(std::fabs(st[k]), p_type);
+        norm = std::pow(norm, 1.f / p_type);
+      }
+      if (norm > m) {
+        float f = m / (norm + eps);
+        for (int64_t k = 0; k < R; ++k) st[k] *= f;
       }
       return;
     }
