@@ -708,3 +708,37 @@ def test_apply_max_norm_native_equals_xla(norm_type):
         lambda t, i: js.embedding_bag(t, i, max_norm=1.0), table, ids
     )
     assert "max_norm" in str(report) and not report.native
+
+
+@pytest.mark.parametrize("first", ["native", "xla"])
+@pytest.mark.parametrize("name", ["rowwise_adagrad", "lazy_adam", "ftrl"])
+def test_orbax_resume_across_the_two_paths(tmp_path, first, name):
+    """Train on one path, checkpoint with Orbax, resume on the other."""
+    import orbax.checkpoint as ocp
+
+    rng = np.random.default_rng(16)
+    params = _params(rng)
+    batches = _batches(rng, steps=4)
+    loss = _loss(padding_id=40)
+    tx = OPTIMIZERS[name]()
+    second = "xla" if first == "native" else "native"
+    p, s = _train(tx, loss, params, batches[:2], native=first == "native")
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "ckpt", {"params": p, "state": s})
+    ckptr.wait_until_finished()
+    target = jax.eval_shape(lambda: {"params": p, "state": s})
+    restored = ckptr.restore(tmp_path / "ckpt", target)
+    _assert_trees_close(restored, {"params": p, "state": s})  # bit for bit, in fact
+
+    def step(p, s, ids, y):
+        value, grads = js.value_and_grad(loss)(p, ids, y)
+        updates, s = tx.update(grads, s, p)
+        return js.apply_updates(p, updates), s
+
+    p2, s2 = restored["params"], restored["state"]
+    with contextlib.nullcontext() if second == "native" else _xla():
+        jitted = jax.jit(step)
+        for ids, y in batches[2:]:
+            p2, s2 = jitted(p2, s2, ids, y)
+    whole = _train(tx, loss, params, batches, native=True)
+    _assert_trees_close((p2, s2), whole)
