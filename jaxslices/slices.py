@@ -372,12 +372,12 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
     def __add__(self, other: Any) -> Any:
         if isinstance(other, IndexedSlices):
             return concatenate([self, other])
-        return scatter_add(_dense_operand(other, self, "+"), self)
+        return _scatter_add(_dense_operand(other, self, "+"), self, _PLUS)
 
     def __radd__(self, other: Any) -> Any:
         if isinstance(other, IndexedSlices):
             return concatenate([other, self])
-        return scatter_add(_dense_operand(other, self, "+"), self)
+        return _scatter_add(_dense_operand(other, self, "+"), self, _PLUS)
 
     def __sub__(self, other: Any) -> Any:
         if isinstance(other, IndexedSlices):
@@ -806,6 +806,9 @@ def _check_target(
     # Under jit over a mesh: the slices' rows on every device before the
     # scatter, so XLA never scatters into a zero table and all-reduces it.
     return x, _layout.replicate_rows(x, s)
+
+
+_PLUS = "IndexedSlices + array (optax.apply_updates)"
 
 
 def scatter_add(x: jax.Array, s: IndexedSlices) -> jax.Array:

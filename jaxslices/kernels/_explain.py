@@ -88,6 +88,19 @@ def _decisions(jaxpr: Any, per_device: bool) -> list[Decision]:
     return out
 
 
+def _traced_jaxpr(jitted: Any, fun: Any, args: Any, kwargs: Any) -> Any:
+    """The step's jaxpr: ``jax.jit``'s ``trace``, also through Flax's wrapper."""
+    traced = jitted.trace(*args, **kwargs) if hasattr(jitted, "trace") else None
+    for _ in range(4):
+        if traced is None:
+            break
+        if hasattr(traced, "jaxpr"):
+            return traced.jaxpr
+        # nnx.jit's Traced holds JAX's as `traced`
+        traced = getattr(traced, "traced", None) or getattr(traced, "_inner_obj", None)
+    return jax.make_jaxpr(fun)(*args, **kwargs)
+
+
 def explain(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     """Which path each jaxslices operation of ``fun(*args, **kwargs)`` takes.
 
@@ -115,11 +128,9 @@ def explain(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     """
     _build.load()
     jitted = fun if hasattr(fun, "lower") else jax.jit(fun)
-    if hasattr(jitted, "trace"):
-        jaxpr = jitted.trace(*args, **kwargs).jaxpr
-    else:  # pragma: no cover - wrappers without .trace
-        jaxpr = jax.make_jaxpr(fun)(*args, **kwargs)
-    text = jitted.lower(*args, **kwargs).as_text()
+    jaxpr = _traced_jaxpr(jitted, fun, args, kwargs)
+    lowered = jitted.lower(*args, **kwargs)
+    text = getattr(lowered, "lowered", lowered).as_text()
     calls = len(
         re.findall(r"custom_call @jaxslices_|call_target_name = \"jaxslices_", text)
     )
