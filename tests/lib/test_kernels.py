@@ -742,3 +742,55 @@ def test_orbax_resume_across_the_two_paths(tmp_path, first, name):
             p2, s2 = jitted(p2, s2, ids, y)
     whole = _train(tx, loss, params, batches, native=True)
     _assert_trees_close((p2, s2), whole)
+
+
+def test_flax_nnx_and_equinox_steps_take_the_native_path():
+    import equinox as eqx
+    from flax import nnx
+
+    import jaxslices.equinox as jse
+    import jaxslices.nnx as jnnx
+
+    ids, y = jnp.array([[1, 2, 3], [4, 4, 0]]), jnp.ones(2)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.bag = jnnx.EmbedBag(100, 8, combiner="mean", rngs=rngs)
+            self.out = nnx.Linear(8, 1, rngs=rngs)
+
+        def __call__(self, ids):
+            return self.out(self.bag(ids))[:, 0]
+
+    def loss_fn(m, ids, y):
+        return jnp.mean((m(ids) - y) ** 2)
+
+    def run(native):
+        m = Model(nnx.Rngs(0))
+        opt = nnx.Optimizer(m, js.rowwise_adagrad(0.1), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(m, opt, ids, y):
+            loss, g = jnnx.value_and_grad(loss_fn)(m, ids, y)
+            opt.update(m, g)
+            return loss
+
+        if native:
+            assert js.kernels.explain(step, m, opt, ids, y).native
+        with contextlib.nullcontext() if native else _xla():
+            for _ in range(3):
+                step(m, opt, ids, y)
+        return nnx.state(m, nnx.Param)
+
+    _assert_trees_close(run(True), run(False))
+
+    emb = jse.EmbeddingBag(100, 8, key=jax.random.key(0))
+    tx = js.adagrad(0.1)
+
+    @eqx.filter_jit
+    def step(m, st, ids):
+        g = jse.filter_grad(lambda m, ids: jnp.sum(m(ids) ** 2))(m, ids)
+        u, st = tx.update(g, st, m)
+        return jse.apply_updates(m, u), st
+
+    st = tx.init(eqx.filter(emb, eqx.is_array))
+    assert js.kernels.explain(step, emb, st, ids).native
