@@ -13,9 +13,11 @@ options' checks live here, written once:
 * ``Embed`` lookups (:func:`lookup`): integer ids, negative ids counting from
   the end as in the stock layers, a one-row table read by every id.
 * bag lookups (:func:`bag`): padded ``[..., L]`` ids, :class:`JaggedIds`, or
-  PyTorch's ``(input, offsets)`` pair (:func:`bag_ids`); ids outside
-  ``[0, V)`` (e.g. ``-1`` padding) and ``padding_idx`` are left out of the
-  bags (not counted by ``"mean"``).
+  PyTorch's ``(input, offsets)`` pair (:func:`bag_ids`), pooled by
+  :func:`jaxslices.embedding_bag` (``combiner``: ``"mean"``, ``"sum"``,
+  ``"sqrtn"``, ``"max"``), whose bags rule (:func:`jaxslices._ids.in_bags`)
+  leaves ids outside ``[0, V)`` (e.g. ``-1`` padding) and ``padding_idx``
+  out of the bags.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._ids import integer_ids, safe_ids, wrap_negative
-from .embedding import embedding_bag, embedding_lookup
+from ._ids import integer_ids, wrap_negative
+from .embedding import MAX_WEIGHTS, embedding_bag, embedding_lookup
 from .jagged import JaggedIds, check_jagged
 from .max_norm import apply_max_norm, check_max_norm
 
@@ -41,7 +43,7 @@ __all__ = [
     "zero_padding_row",
 ]
 
-COMBINERS = ("mean", "sum", "sqrtn")
+COMBINERS = ("mean", "sum", "sqrtn", "max")
 
 
 def padding_row(padding_idx: Any, num_embeddings: int, where: str) -> int | None:
@@ -77,13 +79,9 @@ def check_options(
     """Check a layer's options at construction; returns the padding row."""
     check_max_norm(max_norm, norm_type, where)
     if combiner is not None and combiner not in COMBINERS:
-        hint = (
-            " ('max' is not supported: use 'sum', 'mean' or 'sqrtn')"
-            if combiner == "max"
-            else ""
-        )
         raise ValueError(
-            f"{where}: `combiner` must be one of {COMBINERS}, got {combiner!r}{hint}."
+            f"{where}: `combiner` must be one of {COMBINERS}, got {combiner!r} "
+            "(PyTorch's `mode`)."
         )
     return padding_row(padding_idx, num_embeddings, where)
 
@@ -172,32 +170,21 @@ def bag(
         include_last_offset=layer.include_last_offset,
         where=where,
     )
-    # Out-of-range ids and the padding row are left out of the bags (not
-    # counted by "mean"/"sqrtn"): both become embedding_bag's padding id, V.
-    num_rows = table.shape[0]
-    pad = padding_row(layer.padding_idx, num_rows, where)
-    if isinstance(ids, JaggedIds):
-        ids = ids._replace(values=_excluded(ids.values, num_rows, pad))
-    else:
-        ids = _excluded(ids, num_rows, pad)
+    held = ids.weights if isinstance(ids, JaggedIds) else None
+    if layer.combiner == "max" and (weights is not None or held is not None):
+        raise ValueError(MAX_WEIGHTS.format(where=where))
+    # Out-of-range ids and the padding row are left out of the bags by
+    # embedding_bag's bags rule (jaxslices._ids.in_bags).
     return embedding_bag(
         table,
         ids,
         weights=weights,
         combiner=layer.combiner,
-        padding_id=num_rows,
+        padding_id=padding_row(layer.padding_idx, table.shape[0], where),
         max_norm=layer.max_norm,
         norm_type=layer.norm_type,
         strict=layer.strict,
     )
-
-
-def _excluded(ids: Any, num_rows: int, padding_idx: int | None) -> jax.Array:
-    """Ids in the index dtype; invalid ones and ``padding_idx`` set to ``V``."""
-    safe = safe_ids(jnp.asarray(ids), num_rows)
-    if padding_idx is None:
-        return safe
-    return jnp.where(safe == padding_idx, jnp.asarray(num_rows, safe.dtype), safe)
 
 
 def renormed(

@@ -20,11 +20,27 @@ jaxslices follows (:mod:`jaxslices.embedding`, :mod:`jaxslices.slices`,
   caller's function, how many ids are out of range and their min and max,
   eagerly for concrete ids and under ``jit`` through
   :func:`jaxslices._errors.raise_if` (on every device of a mesh).
+* **Bags: one rule for every pooled lookup** (:func:`in_bags`). A slot of a
+  bag counts when its id is valid (in ``[0, V)`` of its own table) and is
+  not the padding id. Any other slot (an out-of-range id, the padding id,
+  an unused slot of jagged ids) is padding: it adds no row, weighs nothing
+  in the ``"mean"`` and ``"sqrtn"`` denominators, is no candidate for
+  ``"max"``, and gets no gradient; a bag with no counted slot pools to
+  zeros. Every entry point follows it, on the XLA path and the native
+  kernels' alike: :func:`jaxslices.embedding_bag` (padded and jagged ids),
+  the bag layers of :mod:`jaxslices.nnx`, ``.linen`` and ``.equinox``,
+  :class:`jaxslices.EmbeddingCollection` (padded ids and
+  :class:`~jaxslices.KeyedJaggedIds`) and its sharding plans. It is
+  PyTorch's treatment of ``padding_idx`` in ``EmbeddingBag`` extended to
+  the ids PyTorch refuses (its CPU kernel raises on an out-of-range id);
+  ``check_ids=True`` raises instead, as PyTorch does (``docs/embeddings.md``
+  compares PyTorch's, FBGEMM's and TorchRec's behaviour).
 * **Framework layers** (``nnx.Embed``, ``linen.Embed``,
   ``equinox.Embedding``) first let negative ids count from the end, as the
   stock layers do (:func:`wrap_negative`), and refuse non-integer ids
   (:func:`integer_ids`); what is still out of range then follows the policy
-  above.
+  above. The bag layers do not wrap: a negative id in a bag (a ``-1``
+  fill) is out of range, hence padding.
 """
 
 from __future__ import annotations
@@ -45,11 +61,14 @@ __all__ = [
     "check",
     "check_index_width",
     "check_ids",
+    "in_bags",
     "index_dtype",
     "integer_ids",
     "needs_int64",
+    "not_padding",
     "safe_ids",
     "valid",
+    "valid_per_table",
     "wrap_negative",
     "x64_enabled",
 ]
@@ -111,6 +130,68 @@ def valid(ids: Any, num_rows: int) -> Any:
     if num_rows <= info.max:  # else every non-negative id of this dtype is valid
         ok = ok & (ids < num_rows)
     return ok
+
+
+def valid_per_table(ids: Any, rows: np.ndarray, table: Any) -> Any:
+    """``0 <= id < rows[table]`` (each id's own table), in the ids' own dtype.
+
+    ``rows``: a NumPy array of rows per table (``0``: no table, nothing
+    valid); ``table``: each id's table position (broadcast with ``ids``).
+    """
+    info = np.iinfo(ids.dtype)
+    rows = np.asarray(rows)
+    big = rows > info.max  # every non-negative id of this dtype is valid
+    lim = jnp.asarray(np.where(big, info.max, rows).astype(ids.dtype))[table]
+    ok = ids < lim
+    if big.any():
+        ok = ok | jnp.asarray(big)[table]
+    if info.min < 0:
+        ok = ok & (ids >= 0)
+    return ok & jnp.asarray(rows > 0)[table]
+
+
+def not_padding(ids: Any, padding_id: Any) -> Any:
+    """``ids != padding_id`` (``None`` when nothing can equal it).
+
+    A padding id outside the ids' dtype (or ``None``) marks nothing.
+    """
+    if padding_id is None:
+        return None
+    info = np.iinfo(ids.dtype)
+    if not info.min <= padding_id <= info.max:
+        return None
+    return ids != padding_id
+
+
+def in_bags(
+    ids: Any,
+    num_rows: int | np.ndarray,
+    padding_id: Any = None,
+    *,
+    table: Any = None,
+) -> Any:
+    """Which slots of bags count: valid ids other than ``padding_id``.
+
+    THE BAGS RULE (module docstring): every pooled lookup multiplies its
+    per-id weights (ones if none) by this mask, so a slot outside it adds
+    no row, no weight to a ``"mean"`` / ``"sqrtn"`` denominator, is no
+    ``"max"`` candidate and gets no gradient. ``num_rows`` is ``V``, or
+    (with ``table``, each id's table position) the rows of each table, as
+    :func:`valid_per_table`. Decided on the caller's ids, in their own
+    dtype (before any narrowing).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxslices import _ids
+      >>> _ids.in_bags(jnp.array([[0, -1, 4, 2]]), num_rows=4, padding_id=2)
+      Array([[ True, False, False, False]], dtype=bool)
+    """
+    if table is None:
+        ok = valid(ids, num_rows)
+    else:
+        ok = valid_per_table(ids, num_rows, table)
+    keep = not_padding(ids, padding_id)
+    return ok if keep is None else ok & keep
 
 
 def safe_ids(ids: Any, num_rows: int) -> jax.Array:

@@ -9,12 +9,16 @@ Two input forms, one rule (:mod:`jaxslices.collection`'s docstring):
   ``[F, B, L]``; pooling is a sum over ``L``, no scatter at all (the fast
   path for fixed-length features such as Criteo's one id per feature).
 
-Per buffer, every id becomes a buffer row (by its table's
-:class:`~jaxslices._buffers.Placement`: the table's first row plus the id
-on one device; padding ``V`` when out of its table's range, or not a
-feature of this buffer) and one :func:`jaxslices.embedding_lookup` reads
-them all, so under ``value_and_grad`` the buffer's gradient is one
-``IndexedSlices``. The row
+Which slots count in a bag is the library's one bags rule
+(:func:`jaxslices._ids.in_bags`, per table): an id outside ``[0, rows)`` of
+its own table, or equal to ``padding_id``, adds no row, weighs nothing in
+a ``"mean"`` / ``"sqrtn"`` denominator and gets no gradient, on the XLA
+path and the native one alike. Per buffer, every counted id becomes a
+buffer row (by its table's :class:`~jaxslices._buffers.Placement`: the
+table's first row plus the id on one device; padding ``V`` for every other
+slot, and for features of other buffers) and one
+:func:`jaxslices.embedding_lookup` reads them all, so under
+``value_and_grad`` the buffer's gradient is one ``IndexedSlices``. The row
 ids are materialised once (``optimization_barrier``): XLA:CPU would
 otherwise fuse the index arithmetic into every ``[N, dim]`` consumer and
 redo it per element.
@@ -173,19 +177,6 @@ def _as_ids(x: Any, what: str) -> jax.Array:
     return _ids.to_jax(x, f"{WHERE} ({what})")
 
 
-def _valid(values: jax.Array, rows: np.ndarray, key: Any) -> jax.Array:
-    """``0 <= id < rows[key]`` (the id's table), in the ids' own dtype."""
-    info = np.iinfo(values.dtype)
-    big = rows > info.max  # every non-negative id of this dtype is valid
-    lim = jnp.asarray(np.where(big, info.max, rows).astype(values.dtype))[key]
-    ok = values < lim
-    if big.any():
-        ok = ok | jnp.asarray(big)[key]
-    if info.min < 0:
-        ok = ok & (values >= 0)
-    return ok & jnp.asarray(rows > 0)[key]
-
-
 def _bad_ids_error(n, key, lo, hi, *, keys, rows):
     return ValueError(
         f"{WHERE}(check_ids=True): {n} {'id is' if n == 1 else 'ids are'} out of "
@@ -306,23 +297,16 @@ def _padded(coll, lay, params, features, padding_id, weights, check_ids, batch_m
         return jnp.pad(a, ((0, 0), (0, L - a.shape[1])), constant_values=v)
 
     ids = jnp.stack([pad(a.astype(dtype), 0) for a in arrs])  # [F, B, L]
-    # padding ids are absent, and so are the slots added to reach L
-    present = jnp.stack(
-        [
-            pad(
-                jnp.ones(a.shape, bool) if padding_id is None else a != padding_id,
-                False,
-            )
-            for a in arrs
-        ]  # fmt: skip
-    )
+    real = jnp.stack([pad(jnp.ones(a.shape, bool), False) for a in arrs])
     F = len(arrs)
     key = np.arange(F).reshape(F, 1, 1)
-    valid = _valid(ids, spec.rows, key)
-    if check_ids:
-        bad = present & ~valid
+    if check_ids:  # the caller's non-padding ids
+        present = _ids.not_padding(ids, padding_id)
+        present = real if present is None else real & present
+        bad = present & ~_ids.valid_per_table(ids, spec.rows, key)
         ids = _check(ids, bad, jnp.broadcast_to(jnp.asarray(key), ids.shape), spec, ids)
-    valid = valid & present
+    # the bags rule: valid non-padding ids count, not the slots added to reach L
+    counted = _ids.in_bags(ids, spec.rows, padding_id, table=key) & real
     w = None
     if weights is not None:
         w = jnp.stack([pad(x.astype(jnp.float32), 0) for x in ws])
@@ -339,13 +323,13 @@ def _padded(coll, lay, params, features, padding_id, weights, check_ids, batch_m
             continue
         sel = np.array(pos + seq)
         key_b = arrange(np.broadcast_to(sel.reshape(-1, 1, 1), (len(sel), 1, 1)))
-        gids = _row_ids(arrange(ids[sel]), arrange(valid[sel]), spec, key_b, b, sel)
+        gids = _row_ids(arrange(ids[sel]), arrange(counted[sel]), spec, key_b, b, sel)
         gids = jax.lax.optimization_barrier(gids)
         if not seq and _native(params[b.name], gids, b):
-            wts = None if w is None else arrange(present[sel] * w[sel])
+            wts = None if w is None else arrange(counted[sel] * w[sel])
             scale = None
             if any(spec.combiner[i] in ("mean", "sqrtn") for i in pos):
-                c = arrange(present[sel]).astype(jnp.float32) if w is None else wts
+                c = arrange(counted[sel]).astype(jnp.float32) if w is None else wts
                 counts = (jnp.sum(c, axis=-1), jnp.sqrt(jnp.sum(c * c, axis=-1)))
                 combs = [spec.combiner[i] for i in pos]
                 scale = _bag_scale(combs, counts, jnp.float32, fa).reshape(-1)
@@ -361,7 +345,7 @@ def _padded(coll, lay, params, features, padding_id, weights, check_ids, batch_m
         n = len(pos)
         if n:
             mine = jax.lax.slice_in_dim(rows, 0, n, axis=fa) if seq else rows
-            wts = present[sel[:n]].astype(rows.dtype)
+            wts = counted[sel[:n]].astype(rows.dtype)
             if w is not None:
                 wts = wts * w[sel[:n]].astype(rows.dtype)
             wts = arrange(wts)
@@ -405,10 +389,12 @@ def _jagged(coll, lay, params, features, check_ids, batch_major):
     seg = segment_ids(features.offsets, N)  # feature-major bag, F * B: unused
     # the slot's key; F for unused slots (every slot, when the batch is empty)
     kid = seg // B if B else jnp.full_like(seg, F)
-    valid = _valid(values, spec.rows, kid)
     if check_ids:
         member = jnp.asarray(spec.rows > 0)[kid]
-        values = _check(values, member & ~valid, kid, spec, values)
+        bad = member & ~_ids.valid_per_table(values, spec.rows, kid)
+        values = _check(values, bad, kid, spec, values)
+    # the bags rule (unused slots and unknown keys: table rows 0, never valid)
+    counted = _ids.in_bags(values, spec.rows, table=kid)
     w = None
     if features.weights is not None:
         w = jnp.asarray(features.weights)
@@ -419,7 +405,7 @@ def _jagged(coll, lay, params, features, check_ids, batch_major):
         if not pos and not seq:
             continue
         member = np.array([bn == b.name for bn in spec.buffer])
-        ok = valid & jnp.asarray(member)[kid]
+        ok = counted & jnp.asarray(member)[kid]
         gids = _row_ids(values, ok, spec, kid, b, np.array(pos + seq))
         # the pooled features' order: the collection's (not the input's)
         order = [i for f in coll.features for i in pos if spec.keys[i] == f]
@@ -434,7 +420,9 @@ def _jagged(coll, lay, params, features, check_ids, batch_major):
             out_id = jnp.where(tgt >= 0, tgt * B + bag, n_out)
         gids, out_id = jax.lax.optimization_barrier((gids, out_id))
         if not seq and order and _native(params[b.name], gids, b):
-            scale = _jagged_scale(w, out_id, n_out, order, spec, features, batch_major)
+            scale = _jagged_scale(
+                ok, w, out_id, n_out, order, spec, features, batch_major
+            )
             bag = out_id.astype(jnp.int32)
             out = _pool(params[b.name], gids, w, scale, n_out, 0, bag)
             if out is not None:
@@ -449,7 +437,7 @@ def _jagged(coll, lay, params, features, check_ids, batch_major):
             pooled[b.name] = (
                 [spec.keys[i] for i in order],
                 _pool_jagged(
-                    rows, w, out_id, n_out, order, spec, features, batch_major
+                    rows, ok, w, out_id, n_out, order, spec, features, batch_major
                 ),
             )
         if seq:
@@ -479,27 +467,31 @@ def _pool(table, gids, w, scale, n_bags, length, bag=None):
     return None if out is _tape.ROWS else out
 
 
-def _jagged_scale(w, out_id, n_out, order, spec, features, batch_major):
+def _jagged_counts(ok, w, out_id, n_out, shape, dtype):
+    """``(Σ w, sqrt(Σ w²))`` per pooled bag, over its counted slots (``ok``)."""
+    c = ok.astype(dtype)
+    s1 = jax.ops.segment_sum(
+        c if w is None else c * w.astype(dtype), out_id, num_segments=n_out + 1
+    )[:n_out].reshape(shape)
+    if w is None:  # 0/1 weights: Σ w² = Σ w
+        return s1, jnp.sqrt(s1)
+    wt = c * w.astype(dtype)
+    s2 = jax.ops.segment_sum(wt * wt, out_id, num_segments=n_out + 1)[:n_out]
+    return s1, jnp.sqrt(s2.reshape(shape))
+
+
+def _jagged_scale(ok, w, out_id, n_out, order, spec, features, batch_major):
     """Per pooled bag ``[n_out]``: 1 / its count (mean), 1 / sqrt (sqrtn), 1."""
     combs = [spec.combiner[i] for i in order]
     if not any(c in ("mean", "sqrtn") for c in combs):
         return jnp.ones((n_out,), jnp.float32)
     B = features.batch_size
     shape = (B, len(order)) if batch_major else (len(order), B)
-    if w is None:
-        lengths = features.lengths.astype(jnp.float32).reshape(len(spec.keys), B)
-        n = lengths[np.array(order)]
-        n = n.T if batch_major else n
-        counts = (n, jnp.sqrt(n))
-    else:
-        wt = w.astype(jnp.float32)
-        s1 = jax.ops.segment_sum(wt, out_id, num_segments=n_out + 1)[:n_out]
-        s2 = jax.ops.segment_sum(wt * wt, out_id, num_segments=n_out + 1)[:n_out]
-        counts = (s1.reshape(shape), jnp.sqrt(s2.reshape(shape)))
+    counts = _jagged_counts(ok, w, out_id, n_out, shape, jnp.float32)
     return _bag_scale(combs, counts, jnp.float32, 1 if batch_major else 0).reshape(-1)
 
 
-def _pool_jagged(rows, w, out_id, n_out, order, spec, features, batch_major):
+def _pool_jagged(rows, ok, w, out_id, n_out, order, spec, features, batch_major):
     B = features.batch_size
     n_f = len(order)
     contrib = rows if w is None else rows * w.astype(rows.dtype)[:, None]
@@ -509,16 +501,7 @@ def _pool_jagged(rows, w, out_id, n_out, order, spec, features, batch_major):
     combs = [spec.combiner[i] for i in order]
     if not any(c in ("mean", "sqrtn") for c in combs):
         return sums
-    if w is None:
-        lengths = features.lengths.astype(rows.dtype).reshape(len(spec.keys), B)
-        n = lengths[np.array(order)]  # [n_f, B]
-        n = n.T if batch_major else n
-        counts = (n, jnp.sqrt(n))
-    else:
-        wt = w.astype(rows.dtype)
-        s1 = jax.ops.segment_sum(wt, out_id, num_segments=n_out + 1)[:n_out]
-        s2 = jax.ops.segment_sum(wt * wt, out_id, num_segments=n_out + 1)[:n_out]
-        counts = (s1.reshape(shape), jnp.sqrt(s2.reshape(shape)))
+    counts = _jagged_counts(ok, w, out_id, n_out, shape, rows.dtype)
     scale = _bag_scale(combs, counts, rows.dtype, 1 if batch_major else 0)
     return sums * scale
 

@@ -25,9 +25,16 @@ table-batched kernel; this module is the JAX counterpart:
 * **Ids policy** (as :func:`jaxslices.embedding_lookup`): an id outside
   ``[0, rows)`` of *its own table* reads zeros and gets no gradient (it can
   never reach a neighbouring table's rows); ``check_ids=True`` raises instead,
-  naming the feature. A bag's mean or sqrtn counts every id in it (an
-  out-of-range id reads zeros but counts), as in ``embedding_bag``; an empty
-  bag pools to zeros.
+  naming the feature. In a bag such an id is padding, as in
+  :func:`jaxslices.embedding_bag` and the bag layers (one rule,
+  :func:`jaxslices._ids.in_bags`): it is not counted by ``"mean"`` or
+  ``"sqrtn"``. An empty bag pools to zeros.
+* **No max pooling.** TorchRec's ``PoolingType`` has ``SUM``, ``MEAN`` and
+  ``NONE`` (FBGEMM's table-batched kernel pools the same ways), so no
+  TorchRec model needs one; a collection pools every table of a buffer with
+  one segment sum (and the native bag kernel) that a max would split in two.
+  ``TableConfig(combiner="max")`` raises and points to
+  :func:`jaxslices.embedding_bag` / the bag layers, which have it.
 * **Per-table hyperparameters**: :meth:`EmbeddingCollection.scale_by_table`
   (a per-table learning-rate factor) and
   :meth:`EmbeddingCollection.add_decayed_weights_by_table` (per-table weight
@@ -125,9 +132,16 @@ class TableConfig:
             raise ValueError(f"{where}: `features` repeat a name: {feats!r}.")
         object.__setattr__(self, "features", feats)
         if self.combiner not in _COMBINERS:
+            hint = (
+                " A collection has no max pooling (TorchRec's PoolingType is SUM, "
+                "MEAN or NONE); pool that feature with jaxslices.embedding_bag("
+                "..., combiner='max') or a bag layer (combiner='max') instead."
+                if self.combiner == "max"
+                else ""
+            )
             raise ValueError(
                 f"{where}: `combiner` must be one of {_COMBINERS}, got "
-                f"{self.combiner!r}."
+                f"{self.combiner!r}.{hint}"
             )
         dtype = jnp.dtype(self.dtype)
         if not jnp.issubdtype(dtype, jnp.inexact):

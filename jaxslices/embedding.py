@@ -7,7 +7,11 @@ sparse gradient its slot is padding (index ``V``). JAX's own ``table[ids]``
 would instead clamp out-of-range ids to the last row and wrap negative ones
 from the end, reading (and training) rows nobody asked for. Ids of any integer
 dtype are range-checked in their own dtype before being cast to the index
-dtype (``int32``, ``int64`` for tables of ``2**31`` rows or more).
+dtype (``int32``, ``int64`` for tables of ``2**31`` rows or more). In a bag
+(:func:`embedding_bag`) an out-of-range id is padding, like ``padding_id``:
+it adds nothing, is not counted by ``"mean"`` / ``"sqrtn"`` and is no
+candidate for ``"max"`` (:func:`jaxslices._ids.in_bags`, the one rule of
+every pooled lookup).
 
 Pass ``check_ids=True`` (or call :func:`check_ids`) to raise an error instead.
 The message names the function you called and gives how many of your ids are
@@ -216,7 +220,7 @@ def _finish(rows: Any, table: Any, max_norm: Any, norm_type: Any, dtype: Any) ->
     return rows if dtype is None else rows.astype(dtype)
 
 
-_COMBINERS = ("mean", "sum", "sqrtn")
+_COMBINERS = ("mean", "sum", "sqrtn", "max")
 
 
 def embedding_bag(
@@ -224,7 +228,7 @@ def embedding_bag(
     ids: jax.Array | JaggedIds,
     *,
     weights: jax.Array | None = None,
-    combiner: Literal["mean", "sum", "sqrtn"] = "mean",
+    combiner: Literal["mean", "sum", "sqrtn", "max"] = "mean",
     padding_id: int | None = None,
     dtype: Any = None,
     check_ids: bool = False,
@@ -240,14 +244,21 @@ def embedding_bag(
     ``EmbeddingBag(input, offsets)``; see :mod:`jaxslices.jagged`). With
     weights ``w`` (ones if ``None``) and rows ``r``: ``"sum"`` is ``Σ w·r``,
     ``"mean"`` is ``Σ w·r / Σ w`` and ``"sqrtn"`` is ``Σ w·r / sqrt(Σ w²)``.
-    Ids equal to ``padding_id`` contribute nothing, forward or backward (their
-    slots become padding in a sparse gradient). Other out-of-range ids read
-    zero rows (the ids policy) and still count in ``"mean"`` / ``"sqrtn"``
-    denominators: mark empty slots with ``padding_id`` (the bag layers of
-    :mod:`jaxslices.nnx`, ``.linen`` and ``.equinox`` leave every
-    out-of-range id out). A bag with nothing in it gives zeros, not NaN.
-    The table's gradient under :func:`jaxslices.value_and_grad` is sparse,
-    as for :func:`embedding_lookup`: one slot per id slot (for jagged ids
+    ``"max"`` is PyTorch's ``mode="max"``: the elementwise max of the bag's
+    rows (no weights allowed); each element's gradient goes to the first
+    slot of the bag holding its max (PyTorch's CPU tie rule), so the sparse
+    gradient's other slots hold zeros. It runs on the XLA path (the native
+    bag kernel sums; :func:`jaxslices.kernels.explain` says so).
+
+    Only valid ids other than ``padding_id`` are in a bag (the one rule of
+    every pooled lookup, :func:`jaxslices._ids.in_bags`): an id equal to
+    ``padding_id``, or outside ``[0, V)`` (a ``-1`` fill, say), contributes
+    nothing, forward or backward: no row, no weight in a ``"mean"`` /
+    ``"sqrtn"`` denominator, no ``"max"`` candidate, and its slot is padding
+    in a sparse gradient. ``check_ids=True`` raises on out-of-range ids
+    instead. A bag with nothing in it gives zeros, not NaN. The table's
+    gradient under :func:`jaxslices.value_and_grad` is sparse, as for
+    :func:`embedding_lookup`: one slot per id slot (for jagged ids
     ``max_total`` slots, the unused ones padding).
 
     Args:
@@ -256,8 +267,9 @@ def embedding_bag(
         :class:`~jaxslices.JaggedIds` (its offsets are checked with
         :func:`jaxslices.check_jagged`).
       weights: optional per-id weights shaped like ``ids`` (for jagged ids,
-        ``[max_total]``, or give them in the ``JaggedIds``, not both).
-      combiner: ``"mean"``, ``"sum"`` or ``"sqrtn"``.
+        ``[max_total]``, or give them in the ``JaggedIds``, not both); not
+        with ``"max"`` (a ``ValueError``).
+      combiner: ``"mean"``, ``"sum"``, ``"sqrtn"`` or ``"max"``.
       padding_id: id that marks an empty slot in a bag.
       dtype: cast the looked-up rows to this dtype.
       check_ids: raise if a (non-padding) id is out of range.
@@ -282,6 +294,20 @@ def embedding_bag(
       >>> jaxslices.embedding_bag(table, bags, combiner="sum")
       Array([[6.],
              [3.]], dtype=float32)
+
+      Max pooling; the gradient goes to the slot holding each max:
+
+      >>> table = jnp.array([[1.0, 8.0], [3.0, 2.0], [3.0, 0.0]])
+      >>> ids = jnp.array([[0, 1, 2], [2, -1, -1]])  # -1: out of range, padding
+      >>> jaxslices.embedding_bag(table, ids, combiner="max")
+      Array([[3., 8.],
+             [3., 0.]], dtype=float32)
+      >>> g = jaxslices.grad(
+      ...     lambda t: jaxslices.embedding_bag(t, ids, combiner="max").sum())(table)
+      >>> g.indices, g.values[:3]
+      (Array([0, 1, 2, 2, 3, 3], dtype=int32), Array([[0., 1.],
+             [1., 0.],
+             [0., 0.]], dtype=float32))
     """
     where = "embedding_bag"
     check_max_norm(max_norm, norm_type, where)
@@ -306,12 +332,11 @@ def embedding_bag(
             f"{where}: `ids` must have at least one axis (the bag), got a "
             "scalar. Use embedding_lookup for single ids."
         )
+    if combiner == "max" and weights is not None:
+        raise ValueError(MAX_WEIGHTS.format(where=where))
     weights = weights_like(weights, ids.shape, "ids", where)
-    info = np.iinfo(ids.dtype)
-    if padding_id is not None and info.min <= padding_id <= info.max:
-        present = ids != padding_id  # on the caller's own ids
-    else:  # no padding, or a padding id that no id of this dtype can equal
-        present = None
+    present = _ids.not_padding(ids, padding_id)  # on the caller's own ids
+    used = None
     if segments is not None:  # unused slots of jagged ids are padding
         used = jnp.asarray(segments[0] < segments[1])
         present = used if present is None else jnp.asarray(present) & used
@@ -323,13 +348,24 @@ def embedding_bag(
             counted=present,
             like=(table,),
         )
-    safe = _ids.safe_ids(ids, num_rows)
-    if present is None:
-        present = jnp.ones(ids.shape, bool)
-    else:
-        # Padding reads zeros and gets no gradient: send it out of range.
-        present = jnp.asarray(present)
-        safe = jnp.where(present, safe, num_rows)
+    # The bags rule (jaxslices._ids.in_bags): only valid, non-padding ids
+    # count; every other slot is padding (index V: reads zeros, no gradient)
+    # and weighs nothing.
+    counted = jnp.asarray(_ids.in_bags(ids, num_rows, padding_id))
+    if used is not None:
+        counted = counted & used
+    safe = jnp.where(counted, _ids.safe_ids(ids, num_rows), num_rows)
+    if combiner == "max":
+        if handler is None:
+            kernel_ops.note(where, "combiner max (the bag kernel sums)")
+        rows = _finish(
+            _lookup_rows(table, safe, handler, strict),
+            table,
+            max_norm,
+            norm_type,
+            dtype,
+        )
+        return _max_pool(rows, counted, segments)
     if max_norm is not None and handler is None:
         kernel_ops.note(where, "max_norm (the bag kernel does not renormalise rows)")
     if (
@@ -339,7 +375,7 @@ def embedding_bag(
         and kernel_ops.route(where, table, weights, safe)
     ):
         compute = table.dtype
-        w = present.astype(compute)
+        w = counted.astype(compute)
         if weights is not None:
             w = w * weights.astype(compute)
         return _native_bag(table, safe, w, segments, combiner, strict)
@@ -347,7 +383,7 @@ def embedding_bag(
         _lookup_rows(table, safe, handler, strict), table, max_norm, norm_type, dtype
     )
     compute = rows.dtype
-    w = present.astype(compute)
+    w = counted.astype(compute)
     if weights is not None:
         w = w * weights.astype(compute)
     if segments is None:
@@ -453,6 +489,67 @@ def pool(
     if out is None:
         out = forward(table, dense_check=True)
     return out
+
+
+def _max_pool(
+    rows: jax.Array, counted: jax.Array, segments: tuple[jax.Array, int] | None
+) -> jax.Array:
+    """PyTorch's ``mode="max"``: per element, the max over a bag's counted slots.
+
+    ``rows``: ``counted.shape + row_shape``, the slots' rows; a bag's slots
+    are the last axis of ``counted`` (padded ids) or its segment (jagged).
+    Per element the first counted slot holding the max is picked (PyTorch's
+    CPU kernel replaces its running max only by a strictly greater value),
+    so the gradient of that element goes to that slot alone; a bag with no
+    counted slot gives zeros and no gradient. A NaN among a bag's values
+    makes that element NaN. The picking is by comparisons on
+    ``stop_gradient(rows)``, the result a masked sum of ``rows``: no
+    gather, no scatter beyond the jagged segment sum.
+    """
+    row_nd = rows.ndim - counted.ndim
+    mask = counted.reshape(counted.shape + (1,) * row_nd)
+    r = jax.lax.stop_gradient(rows)
+    if jnp.issubdtype(rows.dtype, jnp.inexact):
+        low = jnp.array(-jnp.inf, rows.dtype)
+    else:
+        low = jnp.array(jnp.iinfo(rows.dtype).min, rows.dtype)
+    candidates = jnp.where(mask, r, low)
+
+    def holds(m):  # the counted slots holding the max (a NaN max: the NaNs)
+        same = r == m
+        if jnp.issubdtype(rows.dtype, jnp.inexact):
+            same = same | (jnp.isnan(m) & jnp.isnan(r))
+        return mask & same
+
+    zero = jnp.zeros((), rows.dtype)
+    if segments is None:
+        axis = counted.ndim - 1
+        length = counted.shape[-1]
+        hit = holds(jnp.max(candidates, axis=axis, keepdims=True))
+        first = jnp.argmax(hit, axis=axis, keepdims=True)
+        slot = jnp.arange(length).reshape((length,) + (1,) * row_nd)
+        pick = hit & (slot == first)
+        return jnp.sum(jnp.where(pick, rows, zero), axis=axis)
+    seg, num_bags = segments
+    n = counted.shape[0]
+    top = jax.ops.segment_max(
+        candidates, seg, num_segments=num_bags + 1, indices_are_sorted=True
+    )
+    hit = holds(top[seg])
+    slot = jnp.arange(n, dtype=jnp.int32).reshape((n,) + (1,) * row_nd)
+    first = jax.ops.segment_min(
+        jnp.where(hit, slot, n), seg, num_segments=num_bags + 1, indices_are_sorted=True
+    )
+    pick = hit & (slot == first[seg])
+    return _segment_sum(jnp.where(pick, rows, zero), segments)
+
+
+MAX_WEIGHTS = (
+    "{where}: per-id weights are not defined for combiner='max' (torch.nn."
+    "EmbeddingBag also refuses per_sample_weights with mode='max'). Drop the "
+    "weights (for jagged ids, also those held in the JaggedIds), or pool with "
+    "'sum', 'mean' or 'sqrtn'."
+)
 
 
 def _segment_sum(x: jax.Array, segments: tuple[jax.Array, int]) -> jax.Array:

@@ -156,8 +156,9 @@ class EmbeddingBag(eqx.Module):
 
     A ``weight`` of shape ``(num_embeddings, embedding_size)`` (standard
     normal from ``key``, as ``eqx.nn.Embedding``; or given); bags of ids are
-    looked up and combined (``combiner``: ``"mean"``, ``"sum"`` or
-    ``"sqrtn"``) through :func:`jaxslices.embedding_bag`, so under
+    looked up and combined (``combiner``: ``"mean"``, ``"sum"``,
+    ``"sqrtn"`` or ``"max"``, PyTorch's ``mode``) through
+    :func:`jaxslices.embedding_bag`, so under
     :func:`filter_value_and_grad` ``weight`` gets an
     :class:`~jaxslices.IndexedSlices` gradient.
 
@@ -165,9 +166,10 @@ class EmbeddingBag(eqx.Module):
     it over a batch, it stays sparse), on a padded ``[..., L]`` batch, on a
     :class:`~jaxslices.JaggedIds`, or with PyTorch's flat ``[N]`` ids and
     ``offsets`` (``[B]`` starts, ``[B + 1]`` with
-    ``include_last_offset=True``); ``per_sample_weights`` shaped like the ids.
-    Ids outside ``[0, num_embeddings)`` (e.g. ``-1`` padding) contribute
-    nothing; ``padding_idx`` (PyTorch's meaning) is zeroed at initialisation,
+    ``include_last_offset=True``); ``per_sample_weights`` shaped like the ids
+    (not with ``"max"``, as in PyTorch). Ids outside ``[0, num_embeddings)``
+    (e.g. ``-1`` padding) are left out of their bag (not counted by
+    ``"mean"``); ``padding_idx`` (PyTorch's meaning) is zeroed at initialisation,
     excluded from every bag and never gets a gradient; ``max_norm`` and
     ``strict`` as in :class:`Embedding`.
 

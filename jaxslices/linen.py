@@ -119,16 +119,18 @@ class EmbedBag(nn.Module):
 
     One ``"embedding"`` parameter of shape ``(num_embeddings, features)``
     (initialised as ``nn.Embed``'s); bags of ids are looked up and combined
-    through :func:`jaxslices.embedding_bag`, so under
+    (``combiner``: ``"mean"``, ``"sum"``, ``"sqrtn"`` or ``"max"``,
+    PyTorch's ``mode``) through :func:`jaxslices.embedding_bag`, so under
     :func:`jaxslices.value_and_grad` of a ``model.apply`` loss the table's
     gradient is an :class:`~jaxslices.IndexedSlices`.
 
     Call it with a padded ``[..., L]`` id array (one bag per row of the last
     axis), a :class:`~jaxslices.JaggedIds`, or PyTorch's flat ``[N]`` ids and
     ``offsets`` (``[B]`` starts, or ``[B + 1]`` with
-    ``include_last_offset=True``); ``per_sample_weights`` shaped like the ids.
-    Ids outside ``[0, num_embeddings)`` (e.g. ``-1`` padding) contribute
-    nothing; ``padding_idx`` (PyTorch's meaning) is zeroed at initialisation,
+    ``include_last_offset=True``); ``per_sample_weights`` shaped like the ids
+    (not with ``"max"``, as in PyTorch). Ids outside ``[0, num_embeddings)``
+    (e.g. ``-1`` padding) are left out of their bag (not counted by
+    ``"mean"``); ``padding_idx`` (PyTorch's meaning) is zeroed at initialisation,
     excluded from every bag and never gets a gradient; ``max_norm`` and
     ``strict`` as in :class:`Embed`.
 

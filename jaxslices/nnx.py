@@ -164,7 +164,8 @@ class EmbedBag(nnx.Module):
     """``torch.nn.EmbeddingBag`` for Flax NNX, with a sparse gradient.
 
     Looks up bags of ids and combines each bag's rows (``combiner``:
-    ``"mean"``, ``"sum"`` or ``"sqrtn"``, optionally weighted) through
+    ``"mean"``, ``"sum"``, ``"sqrtn"``, optionally weighted, or ``"max"``,
+    PyTorch's ``mode``) through
     :func:`jaxslices.embedding_bag`, so under
     :func:`jaxslices.nnx.value_and_grad` the ``embedding`` parameter gets an
     :class:`~jaxslices.IndexedSlices` gradient (under ``nnx.grad``, the dense
@@ -180,8 +181,9 @@ class EmbedBag(nnx.Module):
       bag, or ``[B + 1]`` offsets with ``include_last_offset=True``).
 
     ``per_sample_weights`` (shaped like the ids) weight each id, for every
-    combiner. Ids outside ``[0, num_embeddings)`` (e.g. ``-1`` padding)
-    contribute nothing. ``padding_idx``: that row is zeroed at
+    combiner but ``"max"`` (an error, as in PyTorch). Ids outside
+    ``[0, num_embeddings)`` (e.g. ``-1`` padding) are left out of their bag
+    (not counted by ``"mean"``). ``padding_idx``: that row is zeroed at
     initialisation, excluded from every bag and never gets a gradient
     (PyTorch's meaning). ``max_norm`` and ``strict``: as in :class:`Embed`
     (:meth:`apply_max_norm` renormalises the table's rows).

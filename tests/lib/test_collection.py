@@ -96,7 +96,8 @@ def _reference(tables, coll, padded, weighted=False, sparse=False):
         if t.combiner is None:  # L_MAX == max_sequence_length in these tests
             out[f] = rows
             continue
-        wj = (w if weighted else present).astype(rows.dtype)
+        # the bags rule: only valid non-padding ids count (in the denominators too)
+        wj = jnp.where(valid, w if weighted else 1.0, 0.0).astype(rows.dtype)
         s = jnp.sum(rows * wj[..., None], axis=1)
         if t.combiner == "mean":
             d = jnp.sum(wj, axis=1)
