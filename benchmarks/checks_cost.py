@@ -95,11 +95,13 @@ def child(
         return step
 
     def sharded_step(tx, routing):
-        lookup = functools.partial(js.sharded_lookup, axis="model", routing=routing)
+        lookup = functools.partial(
+            js.sharding.sharded_lookup, axis="model", routing=routing
+        )
 
         def step(params, state, ids, y):
             _, g = js.value_and_grad(loss_fn)(params, ids, y, lookup)
-            return js.sharded_update(
+            return js.sharding.sharded_update(
                 tx, g, state, params, axis="model", routing=routing
             )
 
@@ -186,7 +188,7 @@ def child(
     ms = {}
     for routing in ("masked", "all_to_all"):
         params = {
-            "emb": js.shard_rows(
+            "emb": js.sharding.shard_rows(
                 jnp.asarray(rng.normal(size=(num_rows, dim)), jnp.float32),
                 mesh,
                 "model",
@@ -199,7 +201,7 @@ def child(
         y = jax.device_put(jnp.ones(batch), rows)
         step = jax.jit(sharded_step(tx, routing), donate_argnums=(0, 1))
         ms["sharded_" + routing] = timed(
-            step, (params, js.sharded_init(tx, params), ids, y)
+            step, (params, js.sharding.sharded_init(tx, params), ids, y)
         )
     acc = optimizers(batch * bag)["multisteps_coalesce"]
     params = {

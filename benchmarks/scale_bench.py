@@ -12,7 +12,7 @@ device count ``n`` in 1, 2, 4, 8 (a mesh over the first ``n`` devices):
 * ``js_dp``: the same with jaxslices (``value_and_grad``, ``lazy_adam``,
   ``apply_updates``): data parallel, table replicated.
 * ``rows_masked``: table and Adam moments sharded by rows
-  (``jaxslices.shard_rows``), ``sharded_lookup``/``sharded_update`` with
+  (``jaxslices.sharding.shard_rows``), ``sharded_lookup``/``sharded_update`` with
   ``routing="masked"``.
 * ``rows_a2a``: the same with ``routing="all_to_all"``; the capacity is the
   largest number of distinct ids any device sends to one shard in the
@@ -112,16 +112,16 @@ def build(path, n, num_rows, dim, ids, y, capacity, seed):
         routing = "masked" if path == "rows_masked" else "all_to_all"
         cap = capacity if routing == "all_to_all" else None
         lookup = functools.partial(
-            js.sharded_lookup, axis="x", routing=routing, capacity=cap
+            js.sharding.sharded_lookup, axis="x", routing=routing, capacity=cap
         )
         update = functools.partial(
-            js.sharded_update, tx, axis="x", routing=routing, capacity=cap
+            js.sharding.sharded_update, tx, axis="x", routing=routing, capacity=cap
         )
         params = {
-            "emb": js.shard_rows(params["emb"], mesh, "x"),
+            "emb": js.sharding.shard_rows(params["emb"], mesh, "x"),
             "w": jax.device_put(params["w"], rep),
         }
-        state = js.sharded_init(tx, params)
+        state = js.sharding.sharded_init(tx, params)
     else:
         params = jax.device_put(params, rep)
         state = jax.device_put(tx.init(params), rep)

@@ -102,7 +102,7 @@ def make_data(num, vocab, classes, max_len, seed):
 
 def batches(bags, labels, batch, max_total):
     for i in range(0, len(bags) - batch + 1, batch):
-        tokens = js.jagged_from_lists(bags[i : i + batch], max_total=max_total)
+        tokens = js.JaggedIds.from_lists(bags[i : i + batch], max_total=max_total)
         yield tokens, jnp.asarray(labels[i : i + batch], jnp.int32)
 
 

@@ -3,8 +3,8 @@
 The model of ``examples/movielens.py`` (four embedding tables: user and item
 factors and biases, Adagrad) trained twice: on one device, and on a
 ``data x model`` mesh (default 2 x 4 = 8 devices) with every table and its
-Adagrad accumulator sharded by rows over ``model`` (``jaxslices.shard_rows``,
-``jaxslices.sharded_init``) and the batch split over all devices. Lookups and
+Adagrad accumulator sharded by rows over ``model`` (``jaxslices.sharding.shard_rows``,
+``jaxslices.sharding.sharded_init``) and the batch split over all devices. Lookups and
 updates route ids to their owner shard (``routing="all_to_all"``; pass
 ``--routing masked`` for the other scheme). Adagrad is exact, so both reach
 the same test RMSE.
@@ -41,14 +41,14 @@ import jaxslices as js  # noqa: E402
 
 def make_sharded_step(tx, mu, reg, routing, capacity):
     lookup = functools.partial(
-        js.sharded_lookup, axis="model", routing=routing, capacity=capacity
+        js.sharding.sharded_lookup, axis="model", routing=routing, capacity=capacity
     )
 
     def step(params, state, users, items, ratings):
         loss, grads = js.value_and_grad(movielens.loss_fn, strict=True)(
             params, users, items, ratings, mu, reg, lookup
         )
-        params, state = js.sharded_update(
+        params, state = js.sharding.sharded_update(
             tx, grads, state, params, axis="model", routing=routing, capacity=capacity
         )
         return params, state, loss
@@ -71,8 +71,10 @@ def train(ds, mesh_shape, *, dim, epochs, batch_size, lr, reg, seed, max_steps, 
     else:
         n = int(np.prod(mesh_shape))
         mesh = Mesh(np.array(jax.devices()[:n]).reshape(mesh_shape), ("data", "model"))
-        params = {k: js.shard_rows(v, mesh, "model") for k, v in params.items()}
-        state = js.sharded_init(tx, params)
+        params = {
+            k: js.sharding.shard_rows(v, mesh, "model") for k, v in params.items()
+        }
+        state = js.sharding.sharded_init(tx, params)
         step = make_sharded_step(tx, mu, reg, routing, capacity)
         split = NamedSharding(mesh, P(("data", "model")))
     rng = np.random.default_rng(seed)

@@ -16,6 +16,11 @@ jaxslices`` imports neither Flax nor Equinox):
 * :mod:`jaxslices.equinox` (``jaxslices[equinox]``): ``Embedding``, a drop-in
   for ``equinox.nn.Embedding``, ``filter_value_and_grad`` / ``filter_grad``
   and ``apply_updates``.
+
+What this module exports, and what lives in a namespace instead
+(:mod:`jaxslices.sharding`, :mod:`jaxslices.capacity`,
+:mod:`jaxslices.kernels`, :mod:`jaxslices.native`), follows one rule,
+written in ``jaxslices/README.md`` ("What the top level exports").
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -23,7 +28,6 @@ from importlib.metadata import PackageNotFoundError, version
 from . import _checkpoint, _moved, transforms
 from . import capacity as capacity
 from . import kernels as kernels
-from . import per_table as per_table
 from . import sharding as sharding
 from ._strict import DenseGradientError as DenseGradientError
 from .autodiff import grad as grad
@@ -38,18 +42,8 @@ from .embedding import embedding_bag as embedding_bag
 from .embedding import embedding_lookup as embedding_lookup
 from .jagged import JaggedIds as JaggedIds
 from .jagged import check_jagged as check_jagged
-from .jagged import jagged_from_lengths as jagged_from_lengths
-from .jagged import jagged_from_lists as jagged_from_lists
-from .jagged import jagged_from_padded as jagged_from_padded
 from .keyed import KeyedJaggedIds as KeyedJaggedIds
 from .max_norm import apply_max_norm as apply_max_norm
-from .plans import ShardingPlan as ShardingPlan
-from .plans import TablePlan as TablePlan
-from .plans import plan as plan
-from .sharding import shard_rows as shard_rows
-from .sharding import sharded_init as sharded_init
-from .sharding import sharded_lookup as sharded_lookup
-from .sharding import sharded_update as sharded_update
 from .slices import IndexedSlices as IndexedSlices
 from .slices import coalesce as coalesce
 from .slices import concatenate as concatenate
@@ -65,6 +59,7 @@ from .transforms import AddDecayedWeightsState as AddDecayedWeightsState
 from .transforms import FtrlState as FtrlState
 from .transforms import MultiSteps as MultiSteps
 from .transforms import MultiStepsState as MultiStepsState
+from .transforms import PerTableState as PerTableState
 from .transforms import ScaleByLazyAdamState as ScaleByLazyAdamState
 from .transforms import ScaleByRowwiseRssState as ScaleByRowwiseRssState
 from .transforms import ScaleByRssState as ScaleByRssState
@@ -72,6 +67,9 @@ from .transforms import ScaleByScheduleState as ScaleByScheduleState
 from .transforms import TraceState as TraceState
 from .transforms import adagrad as adagrad
 from .transforms import add_decayed_weights as add_decayed_weights
+from .transforms import (
+    add_decayed_weights_by_table as add_decayed_weights_by_table,
+)
 from .transforms import apply_if_finite as apply_if_finite
 from .transforms import clip as clip
 from .transforms import clip_by_global_norm as clip_by_global_norm
@@ -87,6 +85,7 @@ from .transforms import scale_by_learning_rate as scale_by_learning_rate
 from .transforms import scale_by_rowwise_rss as scale_by_rowwise_rss
 from .transforms import scale_by_rss as scale_by_rss
 from .transforms import scale_by_schedule as scale_by_schedule
+from .transforms import scale_by_table as scale_by_table
 from .transforms import sgd as sgd
 from .transforms import trace as trace
 from .transforms import upgrade_state as upgrade_state
@@ -108,7 +107,9 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module(".native", __name__)
-    raise AttributeError(f"module 'jaxslices' has no attribute {name!r}")
+    # Names this module exported before the rule of jaxslices/README.md ("What
+    # the top level exports") moved them: still importable, not in __all__.
+    return _moved.old_name(name)
 
 
 try:
@@ -117,20 +118,8 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
-    "DenseGradientError",
+    # the type and its operations
     "IndexedSlices",
-    "JaggedIds",
-    "TableCopy",
-    "check_ids",
-    "check_jagged",
-    "embedding_bag",
-    "embedding_lookup",
-    "grad",
-    "jagged_from_lengths",
-    "jagged_from_lists",
-    "jagged_from_padded",
-    "apply_max_norm",
-    "value_and_grad",
     "coalesce",
     "concatenate",
     "from_dense",
@@ -141,27 +130,34 @@ __all__ = [
     "scatter_update",
     "sparse_mask",
     "to_dense",
+    # lookups and their ids
+    "JaggedIds",
+    "KeyedJaggedIds",
+    "apply_max_norm",
+    "check_ids",
+    "check_jagged",
+    "embedding_bag",
+    "embedding_lookup",
+    # gradients
+    "DenseGradientError",
+    "grad",
+    "value_and_grad",
+    # updates and trees
+    "TableCopy",
+    "apply_updates",
+    "table_copies",
     "tree_add",
     "tree_map_values",
     "tree_pmean",
     "tree_psum",
     "tree_scale",
-    "apply_updates",
-    "capacity",
-    "kernels",
-    "table_copies",
-    "sharding",
-    "shard_rows",
-    "sharded_init",
-    "sharded_lookup",
-    "sharded_update",
+    # collections
     "Buffer",
     "EmbeddingCollection",
-    "KeyedJaggedIds",
     "TableConfig",
-    "per_table",
-    "ShardingPlan",
-    "TablePlan",
-    "plan",
+    # namespaces
+    "capacity",
+    "kernels",
+    "sharding",
 ]
 __all__ += transforms.__all__  # every transform, re-exported above

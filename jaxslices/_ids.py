@@ -58,7 +58,7 @@ from . import _errors
 __all__ = [
     "INT32_MAX",
     "as_ids",
-    "check",
+    "raise_if_out_of_range",
     "check_index_width",
     "check_ids",
     "in_bags",
@@ -267,7 +267,7 @@ def _bad_ids_error(n_bad: int, lo: int, hi: int, *, num_rows: int, where: str):
     )
 
 
-def check(
+def raise_if_out_of_range(
     ids: Any,
     num_rows: int,
     where: str,
@@ -353,7 +353,9 @@ def check_ids(ids: ArrayLike, num_rows: int) -> Any:
       ...
       ValueError: check_ids: ids must be in [0, 5) for a table with 5 rows; 2 ids ...
     """
-    return check(as_ids(ids, "check_ids"), num_rows, "check_ids", always=True)
+    return raise_if_out_of_range(
+        as_ids(ids, "check_ids"), num_rows, "check_ids", always=True
+    )
 
 
 # ----------------------------------------------------- framework layers

@@ -13,6 +13,14 @@ on ``sys.meta_path``, so it never hides a module that exists.
 Pickles made by the old layout load (``tests/lib/test_checkpoint.py``). A
 module that moves again gets its line here.
 
+Names work the same way one level up: :data:`OLD_NAMES` lists the top-level
+names that the export rule of ``jaxslices/README.md`` ("What the top level
+exports") moved into a namespace (``jaxslices.shard_rows`` is
+``jaxslices.sharding.shard_rows``) or replaced (``jaxslices.jagged_from_lists``
+by ``JaggedIds.from_lists``). ``jaxslices.__getattr__`` serves them
+(:func:`old_name`): they import as before, but are not in ``__all__`` and
+are documented once, under their new names.
+
 Example:
   >>> import jaxslices
   >>> from jaxslices.accumulate import MultiSteps  # jaxslices.transforms now
@@ -28,7 +36,7 @@ import importlib.machinery
 import sys
 from typing import Any
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "OLD_NAMES", "install", "old_name"]
 
 #: Old module path -> the module that holds its contents now.
 MOVED = {
@@ -42,7 +50,37 @@ MOVED = {
     "jaxslices._hijax": "jaxslices.native._hijax",
     "jaxslices._backend": "jaxslices._lookup_handlers",
     "jaxslices._layers": "jaxslices._ids",
+    # Issue 29: sharding, collections and per-table transforms as units.
+    "jaxslices.plans": "jaxslices.sharding",
+    "jaxslices.per_table": "jaxslices.transforms._per_table",
+    "jaxslices._buffers": "jaxslices.collection._buffers",
+    "jaxslices._pooling": "jaxslices.collection._pooling",
+    "jaxslices._layout": "jaxslices._spmd",
 }
+
+#: Old top-level name -> (module, name) that holds it now (issue 29).
+OLD_NAMES = {
+    "shard_rows": ("jaxslices.sharding", "shard_rows"),
+    "sharded_init": ("jaxslices.sharding", "sharded_init"),
+    "sharded_lookup": ("jaxslices.sharding", "sharded_lookup"),
+    "sharded_update": ("jaxslices.sharding", "sharded_update"),
+    "ShardingPlan": ("jaxslices.sharding", "ShardingPlan"),
+    "TablePlan": ("jaxslices.sharding", "TablePlan"),
+    "plan": ("jaxslices.sharding", "plan_collection"),
+    "jagged_from_lists": ("jaxslices.jagged", "jagged_from_lists"),
+    "jagged_from_lengths": ("jaxslices.jagged", "jagged_from_lengths"),
+    "jagged_from_padded": ("jaxslices.jagged", "jagged_from_padded"),
+    "per_table": ("jaxslices.transforms._per_table", None),
+}
+
+
+def old_name(name: str) -> Any:
+    """The object an old top-level name stands for; ``AttributeError`` if none."""
+    if name not in OLD_NAMES:
+        raise AttributeError(f"module 'jaxslices' has no attribute {name!r}")
+    module, attr = OLD_NAMES[name]
+    mod = importlib.import_module(module)
+    return mod if attr is None else getattr(mod, attr)
 
 
 class _Alias(importlib.abc.Loader):

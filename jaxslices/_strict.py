@@ -12,7 +12,7 @@ the fix. Two switches, either enough:
 * **the gradient functions** (``strict=True`` on
   :func:`jaxslices.value_and_grad` / :func:`~jaxslices.grad`, the NNX and
   Equinox ones): every float leaf of the differentiated arguments that is
-  looked up or read by indexing must get a sparse gradient (:func:`check`,
+  looked up or read by indexing must get a sparse gradient (:func:`raise_if_dense`,
   from what the wrapper's discovery and probe traces saw, see
   :func:`findings`);
 * **the layers and lookups** (``strict=True`` on the jaxslices layers,
@@ -35,7 +35,7 @@ from typing import Any
 
 __all__ = [
     "DenseGradientError",
-    "check",
+    "raise_if_dense",
     "differentiating",
     "findings",
     "on_dense_lookup",
@@ -168,7 +168,7 @@ _NESTED = (
 )
 
 
-def check(
+def raise_if_dense(
     where: str,
     labels: Sequence[str],
     shapes: Sequence[tuple[int, ...]],

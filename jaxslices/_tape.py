@@ -6,10 +6,10 @@
 * :func:`discover` (``jax.eval_shape``): which float leaves the loss looks up at
   its top level (or below ``vmap``s only), with the shapes of their ids; leaves
   looked up in other nested scopes (``scan``, ``cond``, inner ``jit``,
-  ``checkpoint``) are left dense. Returns a :class:`Plan`.
+  ``checkpoint``) are left dense. Returns a :class:`Lookups`.
 * :func:`probe` (``jax.make_jaxpr``): each lookup read as
   ``stop_gradient(table)[ids] + tap``; a table whose jaxpr variable feeds
-  anything else is read some other way and is dropped from the plan.
+  anything else is read some other way and is dropped.
 * :func:`run`: ``jax.value_and_grad`` with respect to the dense leaves and the
   taps, each lookup read as ``table[ids] + tap`` (the table is a constant to
   this differentiation, not to an outer one): the cotangent of a tap is exactly
@@ -355,7 +355,7 @@ Call = Callable[[Sequence[Any]], Any]
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Lookups:
     """The leaves that get sparse gradients and their lookups, in call order.
 
     For strict mode (``jaxslices/_strict.py``) it also says why other leaves
@@ -381,7 +381,7 @@ class Tapped:
     bags: list[Any]  # per lookup: a bag's (weight, scale, bag ids), or None
 
 
-def discover(call: Call, leaves: Sequence[Any], others: Sequence[Any] = ()) -> Plan:
+def discover(call: Call, leaves: Sequence[Any], others: Sequence[Any] = ()) -> Lookups:
     """Trace the loss abstractly and record its top-level lookups.
 
     ``others``: the leaves of the arguments that are not differentiated. A
@@ -411,7 +411,7 @@ def discover(call: Call, leaves: Sequence[Any], others: Sequence[Any] = ()) -> P
         jax.eval_shape(fn, *[leaves[k] for k in candidates])
     looked_up = {r.leaf for r in tape.records}
     sparse = tuple(sorted((looked_up - tape.dense) & set(candidates)))
-    return Plan(
+    return Lookups(
         sparse,
         tuple(r for r in tape.records if r.leaf in sparse),
         looked_up=frozenset(looked_up | tape.dense),
@@ -419,22 +419,22 @@ def discover(call: Call, leaves: Sequence[Any], others: Sequence[Any] = ()) -> P
     )
 
 
-def _run_tapped(call, leaves, plan, replace, replacements, taps, sever):
-    """Run the loss with some leaves replaced and the plan's lookups tapped."""
+def _run_tapped(call, leaves, lookups, replace, replacements, taps, sever):
+    """Run the loss with some leaves replaced and its lookups tapped."""
     values = list(leaves)
     for k, v in zip(replace, replacements, strict=True):
         values[k] = v
     tape = Tape(
         "tap",
         candidates=values,
-        sparse_leaves=frozenset(plan.sparse),
+        sparse_leaves=frozenset(lookups.sparse),
         taps=list(taps),
-        expected=list(plan.records),
+        expected=list(lookups.records),
         sever=sever,
     )
     with _active(tape):
         out = call(values)
-    if tape.cursor != len(plan.records):
+    if tape.cursor != len(lookups.records):
         raise RuntimeError(_NONDETERMINISTIC)
     return out, tape
 
@@ -442,32 +442,32 @@ def _run_tapped(call, leaves, plan, replace, replacements, taps, sever):
 def probe(
     call: Call,
     leaves: Sequence[Any],
-    plan: Plan,
+    lookups: Lookups,
     has_aux: bool,
     watch: Sequence[int] = (),
-) -> Plan:
+) -> Lookups:
     """Keep the tables the loss reads through their lookups only.
 
-    ``watch`` (strict mode): further leaves whose uses the returned plan
+    ``watch`` (strict mode): further leaves whose uses the returned :class:`Lookups`
     reports in ``uses`` (with those of the dropped tables); they are inputs
     of the probe's jaxpr too, so a probe runs even without a sparse table.
     """
-    watch = [k for k in watch if k not in plan.sparse]
-    if not plan.sparse and not watch:
-        return plan
-    replace = [*plan.sparse, *watch]
+    watch = [k for k in watch if k not in lookups.sparse]
+    if not lookups.sparse and not watch:
+        return lookups
+    replace = [*lookups.sparse, *watch]
 
     def fn(values, taps):
-        out, _ = _run_tapped(call, leaves, plan, replace, values, taps, True)
+        out, _ = _run_tapped(call, leaves, lookups, replace, values, taps, True)
         return out[0] if has_aux else out
 
-    taps = [_zeros_tap(r) for r in plan.records]
+    taps = [_zeros_tap(r) for r in lookups.records]
     closed = jax.make_jaxpr(fn)([leaves[k] for k in replace], taps)
     invars = closed.jaxpr.invars[: len(replace)]
-    table_vars = invars[: len(plan.sparse)]
+    table_vars = invars[: len(lookups.sparse)]
     sparse = tuple(
         k
-        for k, var in zip(plan.sparse, table_vars, strict=True)
+        for k, var in zip(lookups.sparse, table_vars, strict=True)
         if _uses_only_stop_gradient(closed.jaxpr, var)
     )
     uses = {}
@@ -476,9 +476,9 @@ def probe(
         dense = {i: k for i, k in dense.items() if k not in sparse}
         uses = _strict.findings(closed.jaxpr, dense)
     return dataclasses.replace(
-        plan,
+        lookups,
         sparse=sparse,
-        records=tuple(r for r in plan.records if r.leaf in sparse),
+        records=tuple(r for r in lookups.records if r.leaf in sparse),
         uses=uses,
     )
 
@@ -494,14 +494,14 @@ def _uses_only_stop_gradient(jaxpr: Any, var: Any) -> bool:
 
 
 def run(
-    call: Call, leaves: Sequence[Any], plan: Plan, has_aux: bool
+    call: Call, leaves: Sequence[Any], lookups: Lookups, has_aux: bool
 ) -> tuple[tuple[Any, Any], dict[int, Any], Tapped]:
     """Differentiate: ``((value, aux), {dense leaf: gradient}, tapped lookups)``."""
-    dense = [k for k in range(len(leaves)) if k not in plan.sparse]
-    taps = [_zeros_tap(r) for r in plan.records]
+    dense = [k for k in range(len(leaves)) if k not in lookups.sparse]
+    taps = [_zeros_tap(r) for r in lookups.records]
 
     def fn(dense_values, taps):
-        out, tape = _run_tapped(call, leaves, plan, dense, dense_values, taps, False)
+        out, tape = _run_tapped(call, leaves, lookups, dense, dense_values, taps, False)
         value, aux = out if has_aux else (out, None)
         return value, (aux, tape.ids, tape.rows, tape.bags)
 
@@ -512,21 +512,23 @@ def run(
     return (value, aux), g_dense, Tapped(g_taps, ids, rows, bags)
 
 
-def pack(plan: Plan, tapped: Tapped, leaves: Sequence[Any]) -> dict[int, IndexedSlices]:
+def pack(
+    lookups: Lookups, tapped: Tapped, leaves: Sequence[Any]
+) -> dict[int, IndexedSlices]:
     """One ``IndexedSlices`` per sparse leaf: its lookups, concatenated."""
     out = {}
-    for k in plan.sparse:
-        mine = [j for j, r in enumerate(plan.records) if r.leaf == k]
+    for k in lookups.sparse:
+        mine = [j for j, r in enumerate(lookups.records) if r.leaf == k]
         s = _pack(
             [tapped.cts[j] for j in mine],
             [tapped.ids[j] for j in mine],
             [tapped.rows[j] for j in mine],
             tuple(leaves[k].shape),
             [tapped.bags[j] for j in mine],
-            [plan.records[j] for j in mine],
+            [lookups.records[j] for j in mine],
             leaves[k].dtype,
         )
-        axes = tuple(sorted({a for j in mine for a in plan.records[j].axes}))
+        axes = tuple(sorted({a for j in mine for a in lookups.records[j].axes}))
         if axes:  # shard_map(check_vma=True): the sum over devices, as slices
             values = _jax_compat.all_gather_invariant(s.values, axes)
             indices = _jax_compat.all_gather_invariant(s.indices, axes)

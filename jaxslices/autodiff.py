@@ -179,23 +179,23 @@ def differentiate(
         others = jax.tree.leaves(
             ([a for i, a in enumerate(args) if i not in nums], kwargs)
         )
-        plan = _tape.discover(call, leaves, others)
+        lookups = _tape.discover(call, leaves, others)
         watch = [k for k, x in enumerate(leaves) if _is_float(x)] if strict else ()
-        plan = _tape.probe(call, leaves, plan, has_aux, watch=watch)
+        lookups = _tape.probe(call, leaves, lookups, has_aux, watch=watch)
         if strict:
-            _strict.check(
+            _strict.raise_if_dense(
                 where,
                 _labels(args, nums, label),
                 [tuple(jnp.shape(x)) for x in leaves],
-                plan.nested,
-                plan.looked_up,
-                plan.uses,
+                lookups.nested,
+                lookups.looked_up,
+                lookups.uses,
             )
         with _strict.differentiating(strict, where):
-            if not plan.sparse:
+            if not lookups.sparse:
                 return dense_fallback()
-            (value, aux), g_dense, tapped = _tape.run(call, leaves, plan, has_aux)
-        grads = {**g_dense, **_tape.pack(plan, tapped, leaves)}
+            (value, aux), g_dense, tapped = _tape.run(call, leaves, lookups, has_aux)
+        grads = {**g_dense, **_tape.pack(lookups, tapped, leaves)}
         per_arg = jax.tree.unflatten(treedef, [grads[k] for k in range(len(leaves))])
         g = per_arg[0] if _is_index(argnums) else tuple(per_arg)
         return ((value, aux) if has_aux else value), g

@@ -8,8 +8,8 @@ jaxslices, each with its estimator here:
 * ``max_distinct`` of the optimizers (:func:`jaxslices.lazy_adam` and every
   transform that coalesces): the distinct rows one step's gradient touches.
   :func:`estimate_max_distinct`.
-* ``capacity`` of :func:`jaxslices.sharded_lookup` /
-  :func:`jaxslices.sharded_update` with ``routing="all_to_all"``: the
+* ``capacity`` of :func:`jaxslices.sharding.sharded_lookup` /
+  :func:`jaxslices.sharding.sharded_update` with ``routing="all_to_all"``: the
   distinct ids one device sends to one shard. :func:`estimate_all_to_all_capacity`.
 * ``capacity`` of :class:`jaxslices.MultiSteps`: the distinct rows of ``k``
   accumulated micro-batches (at least one micro-batch's slots).
@@ -168,8 +168,8 @@ def estimate_all_to_all_capacity(
 ) -> int:
     """``capacity`` of ``routing="all_to_all"``, from sample batches of ids.
 
-    Replays the routing of :func:`jaxslices.sharded_lookup` and
-    :func:`jaxslices.sharded_update`: each batch's leading (batch) dimension
+    Replays the routing of :func:`jaxslices.sharding.sharded_lookup` and
+    :func:`jaxslices.sharding.sharded_update`: each batch's leading (batch) dimension
     is split evenly over ``num_devices`` devices; each device deduplicates
     its part and sends each id to the shard owning its row (rows are split
     into ``num_shards`` equal blocks of ``num_rows / num_shards``). The
@@ -180,7 +180,7 @@ def estimate_all_to_all_capacity(
     Args:
       batches: sample batches of ids, batch dimension first.
       num_rows: the rows of the table as placed (``table.shape[0]`` after
-        :func:`jaxslices.shard_rows`, which pads it to a multiple of the
+        :func:`jaxslices.sharding.shard_rows`, which pads it to a multiple of the
         shards).
       num_shards: the size of the mesh axis the rows are sharded over.
       num_devices: the devices of the mesh (``mesh.size``); default
@@ -205,7 +205,7 @@ def estimate_all_to_all_capacity(
         raise ValueError(
             f"jaxslices.capacity.{where}: num_rows={num_rows} is not a multiple "
             f"of num_shards={num_shards}; pass the rows of the table as placed "
-            "by jaxslices.shard_rows (padded)."
+            "by jaxslices.sharding.shard_rows (padded)."
         )
     rows_per_shard = num_rows // num_shards
     most, local_slots = 0, 1

@@ -165,7 +165,9 @@ def embedding_lookup(
     table, ids, num_rows, handler = _prepare(table, ids, where)
     check_max_norm(max_norm, norm_type, where)
     if check_ids:
-        ids = _ids.check(ids, num_rows, f"{where}(check_ids=True)", like=(table,))
+        ids = _ids.raise_if_out_of_range(
+            ids, num_rows, f"{where}(check_ids=True)", like=(table,)
+        )
     safe = _ids.safe_ids(ids, num_rows)
     pad_row = _padding_row(padding_id, num_rows, where)
     if pad_row is None:
@@ -290,7 +292,7 @@ def embedding_bag(
       >>> table = jnp.array([[1.0], [3.0], [5.0]])
       >>> jaxslices.embedding_bag(table, jnp.array([[0, 2, 9]]), padding_id=9)
       Array([[3.]], dtype=float32)
-      >>> bags = jaxslices.jagged_from_lists([[0, 2], [1]], max_total=4)
+      >>> bags = jaxslices.JaggedIds.from_lists([[0, 2], [1]], max_total=4)
       >>> jaxslices.embedding_bag(table, bags, combiner="sum")
       Array([[6.],
              [3.]], dtype=float32)
@@ -341,7 +343,7 @@ def embedding_bag(
         used = jnp.asarray(segments[0] < segments[1])
         present = used if present is None else jnp.asarray(present) & used
     if check_ids:
-        ids = _ids.check(
+        ids = _ids.raise_if_out_of_range(
             ids,
             num_rows,
             f"{where}(check_ids=True)",

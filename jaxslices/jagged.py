@@ -13,11 +13,14 @@ batches of any total length up to ``max_total`` share one compilation.
 padded ``[..., L]`` id array, with the same combiners and the same sparse
 gradient (one slot per id, unused slots as padding).
 
-Build them with :func:`jagged_from_lists` (a list of lists),
-:func:`jagged_from_lengths` (flat values and per-bag lengths, as TorchRec's
-``lengths``) or :func:`jagged_from_padded` (a padded ``[num_bags, L]`` array
-and its padding id). Data that does not fit ``max_total`` raises: eagerly in
-the constructors for concrete data, and under ``jit`` through
+Build them with :meth:`JaggedIds.from_lists` (a list of lists),
+:meth:`JaggedIds.from_lengths` (flat values and per-bag lengths, as
+TorchRec's ``lengths``) or :meth:`JaggedIds.from_padded` (a padded
+``[num_bags, L]`` array and its padding id), as
+:class:`~jaxslices.KeyedJaggedIds` is built; the free functions
+``jagged_from_lists`` / ``_lengths`` / ``_padded`` are their earlier names.
+Data that does not fit ``max_total`` raises: eagerly in the constructors
+for concrete data, and under ``jit`` through
 :func:`jaxslices._errors.raise_if` (``jax.errors.JaxRuntimeError``, or
 ``ValueError`` on later calls of a compiled step, when the step runs, on every
 device of a mesh). :func:`check_jagged` checks offsets
@@ -65,7 +68,7 @@ class JaggedIds(NamedTuple):
 
     Example:
       >>> import jaxslices
-      >>> j = jaxslices.jagged_from_lists([[3, 1], [], [2]], max_total=5)
+      >>> j = jaxslices.JaggedIds.from_lists([[3, 1], [], [2]], max_total=5)
       >>> j.values, j.offsets
       (Array([3, 1, 2, 0, 0], dtype=int32), Array([0, 2, 2, 3], dtype=int32))
       >>> j.num_bags, j.max_total, j.lengths
@@ -91,6 +94,129 @@ class JaggedIds(NamedTuple):
         """``[num_bags]`` bag lengths: ``offsets[1:] - offsets[:-1]``."""
         offsets = jnp.asarray(self.offsets)
         return offsets[1:] - offsets[:-1]
+
+    # -- constructors (TorchRec's KeyedJaggedTensor.from_*, KeyedJaggedIds') --
+    @classmethod
+    def from_lists(
+        cls,
+        lists: Sequence[Sequence[int]],
+        *,
+        max_total: int | None = None,
+        weights: Sequence[Sequence[float]] | None = None,
+        dtype: Any = jnp.int32,
+    ) -> JaggedIds:
+        """:class:`JaggedIds` from a list of bags (each a list of ids), eagerly.
+
+        Args:
+          lists: one sequence of ids per bag (empty bags allowed).
+          max_total: the static number of id slots (default: the ids' total).
+            Keep it fixed across batches so a jitted step compiles once.
+          weights: optional per-id weights, one sequence per bag, shaped like
+            ``lists``.
+          dtype: the ids' integer dtype.
+
+        Raises:
+          ValueError: the ids do not fit ``max_total``, or ``weights`` is not
+            shaped like ``lists``.
+
+        Example:
+          >>> import jaxslices
+          >>> j = jaxslices.JaggedIds.from_lists([[4], [1, 1]], weights=[[0.5], [1, 2]])
+          >>> j.weights
+          Array([0.5, 1. , 2. ], dtype=float32)
+        """
+        return _from_lists(
+            lists,
+            max_total=max_total,
+            weights=weights,
+            dtype=dtype,
+            where="JaggedIds.from_lists",
+        )
+
+    @classmethod
+    def from_lengths(
+        cls,
+        values: ArrayLike,
+        lengths: ArrayLike,
+        *,
+        max_total: int | None = None,
+        weights: ArrayLike | None = None,
+    ) -> JaggedIds:
+        """:class:`JaggedIds` from flat ids and per-bag lengths (TorchRec's layout).
+
+        Bag ``b`` holds the next ``lengths[b]`` ids of ``values``. Works under
+        ``jit`` (``lengths`` may be traced; ``max_total`` is static).
+
+        Args:
+          values: ``[n]`` integer ids, bag after bag (ids past ``sum(lengths)``
+            are ignored).
+          lengths: ``[num_bags]`` non-negative integers.
+          max_total: the static number of id slots (default ``n``); ``values``
+            is cut or zero-padded to it.
+          weights: optional ``[n]`` per-id weights.
+
+        Raises:
+          ValueError: a negative length, or ``sum(lengths)`` more than
+            ``max_total`` or than the ``n`` ids given (eagerly; under ``jit``
+            ``jax.errors.JaxRuntimeError``, or ``ValueError`` on later calls, with
+            this message when the step runs).
+
+        Example:
+          >>> import jax.numpy as jnp, jaxslices
+          >>> values, lengths = jnp.array([7, 8, 9]), jnp.array([1, 0, 2])
+          >>> j = jaxslices.JaggedIds.from_lengths(values, lengths)
+          >>> j.offsets
+          Array([0, 1, 1, 3], dtype=int32)
+        """
+        return _from_lengths(
+            values,
+            lengths,
+            max_total=max_total,
+            weights=weights,
+            where="JaggedIds.from_lengths",
+        )
+
+    @classmethod
+    def from_padded(
+        cls,
+        ids: ArrayLike,
+        *,
+        padding_id: int,
+        max_total: int | None = None,
+        weights: ArrayLike | None = None,
+    ) -> JaggedIds:
+        """:class:`JaggedIds` from a padded ``[num_bags, L]`` id array.
+
+        Bag ``b`` holds the ids of row ``b`` that are not ``padding_id``, in
+        order (padding may be anywhere in the row). Works under ``jit``.
+
+        Args:
+          ids: ``[num_bags, L]`` integer ids.
+          padding_id: the id that marks an empty slot.
+          max_total: the static number of id slots (default ``num_bags * L``,
+            which always fits).
+          weights: optional ``[num_bags, L]`` per-id weights (those of padding
+            slots are dropped).
+
+        Raises:
+          ValueError: more non-padding ids than ``max_total`` (eagerly; under
+            ``jit`` ``jax.errors.JaxRuntimeError``, or ``ValueError`` on later
+            calls, when the step runs).
+
+        Example:
+          >>> import jax.numpy as jnp, jaxslices
+          >>> ids = jnp.array([[5, -1], [-1, -1], [2, 3]])
+          >>> j = jaxslices.JaggedIds.from_padded(ids, padding_id=-1)
+          >>> j.values, j.offsets
+          (Array([5, 2, 3, 0, 0, 0], dtype=int32), Array([0, 1, 1, 3], dtype=int32))
+        """
+        return _from_padded(
+            ids,
+            padding_id=padding_id,
+            max_total=max_total,
+            weights=weights,
+            where="JaggedIds.from_padded",
+        )
 
 
 def _overflow(total: int, *, max_total: int, where: str, hint: str) -> ValueError:
@@ -143,34 +269,14 @@ def weights_like(weights: Any, shape: tuple, name: str, where: str) -> Any:
     return weights
 
 
-def jagged_from_lists(
+def _from_lists(
     lists: Sequence[Sequence[int]],
     *,
     max_total: int | None = None,
     weights: Sequence[Sequence[float]] | None = None,
     dtype: Any = jnp.int32,
+    where: str,
 ) -> JaggedIds:
-    """:class:`JaggedIds` from a list of bags (each a list of ids), eagerly.
-
-    Args:
-      lists: one sequence of ids per bag (empty bags allowed).
-      max_total: the static number of id slots (default: the ids' total).
-        Keep it fixed across batches so a jitted step compiles once.
-      weights: optional per-id weights, one sequence per bag, shaped like
-        ``lists``.
-      dtype: the ids' integer dtype.
-
-    Raises:
-      ValueError: the ids do not fit ``max_total``, or ``weights`` is not
-        shaped like ``lists``.
-
-    Example:
-      >>> import jaxslices
-      >>> j = jaxslices.jagged_from_lists([[4], [1, 1]], weights=[[0.5], [1, 2]])
-      >>> j.weights
-      Array([0.5, 1. , 2. ], dtype=float32)
-    """
-    where = "jaxslices.jagged_from_lists"
     lists = [list(b) for b in lists]
     lengths = [len(b) for b in lists]
     total = sum(lengths)
@@ -195,39 +301,14 @@ def jagged_from_lists(
     return JaggedIds(jnp.asarray(flat), jnp.asarray(offsets), w)
 
 
-def jagged_from_lengths(
+def _from_lengths(
     values: ArrayLike,
     lengths: ArrayLike,
     *,
     max_total: int | None = None,
     weights: ArrayLike | None = None,
+    where: str,
 ) -> JaggedIds:
-    """:class:`JaggedIds` from flat ids and per-bag lengths (TorchRec's layout).
-
-    Bag ``b`` holds the next ``lengths[b]`` ids of ``values``. Works under
-    ``jit`` (``lengths`` may be traced; ``max_total`` is static).
-
-    Args:
-      values: ``[n]`` integer ids, bag after bag (ids past ``sum(lengths)``
-        are ignored).
-      lengths: ``[num_bags]`` non-negative integers.
-      max_total: the static number of id slots (default ``n``); ``values``
-        is cut or zero-padded to it.
-      weights: optional ``[n]`` per-id weights.
-
-    Raises:
-      ValueError: a negative length, or ``sum(lengths)`` more than
-        ``max_total`` or than the ``n`` ids given (eagerly; under ``jit``
-        ``jax.errors.JaxRuntimeError``, or ``ValueError`` on later calls, with
-        this message when the step runs).
-
-    Example:
-      >>> import jax.numpy as jnp, jaxslices
-      >>> j = jaxslices.jagged_from_lengths(jnp.array([7, 8, 9]), jnp.array([1, 0, 2]))
-      >>> j.offsets
-      Array([0, 1, 1, 3], dtype=int32)
-    """
-    where = "jaxslices.jagged_from_lengths"
     values = _ids.to_jax(_integer(values, "values", where), where)
     lengths = jnp.asarray(_integer(lengths, "lengths", where))
     if values.ndim != 1 or lengths.ndim != 1:
@@ -269,39 +350,14 @@ def jagged_from_lengths(
     return JaggedIds(_pad_to(values, max_total), offsets, weights)
 
 
-def jagged_from_padded(
+def _from_padded(
     ids: ArrayLike,
     *,
     padding_id: int,
     max_total: int | None = None,
     weights: ArrayLike | None = None,
+    where: str,
 ) -> JaggedIds:
-    """:class:`JaggedIds` from a padded ``[num_bags, L]`` id array.
-
-    Bag ``b`` holds the ids of row ``b`` that are not ``padding_id``, in
-    order (padding may be anywhere in the row). Works under ``jit``.
-
-    Args:
-      ids: ``[num_bags, L]`` integer ids.
-      padding_id: the id that marks an empty slot.
-      max_total: the static number of id slots (default ``num_bags * L``,
-        which always fits).
-      weights: optional ``[num_bags, L]`` per-id weights (those of padding
-        slots are dropped).
-
-    Raises:
-      ValueError: more non-padding ids than ``max_total`` (eagerly; under
-        ``jit`` ``jax.errors.JaxRuntimeError``, or ``ValueError`` on later
-        calls, when the step runs).
-
-    Example:
-      >>> import jax.numpy as jnp, jaxslices
-      >>> j = jaxslices.jagged_from_padded(jnp.array([[5, -1], [-1, -1], [2, 3]]),
-      ...                                  padding_id=-1)
-      >>> j.values, j.offsets
-      (Array([5, 2, 3, 0, 0, 0], dtype=int32), Array([0, 1, 1, 3], dtype=int32))
-    """
-    where = "jaxslices.jagged_from_padded"
     ids = _ids.to_jax(_integer(ids, "ids", where), where)
     if ids.ndim != 2:
         raise ValueError(
@@ -345,8 +401,8 @@ def _bad_offsets(first: int, n_down: int, last: int, *, max_total: int, where: s
         f"{where}: invalid JaggedIds offsets: they must start at 0, never "
         f"decrease and end at most at max_total={max_total} (values.shape[0]); "
         f"got offsets[0]={first}, {n_down} decreasing step(s), offsets[-1]={last}. "
-        "Build them with jaxslices.jagged_from_lists / jagged_from_lengths / "
-        "jagged_from_padded, or pass a larger `values` array."
+        "Build them with jaxslices.JaggedIds.from_lists / from_lengths / "
+        "from_padded, or pass a larger `values` array."
     )
 
 
@@ -410,3 +466,57 @@ def segment_ids(offsets: jax.Array, max_total: int) -> jax.Array:
     """
     ends = jnp.zeros((max_total + 1,), jnp.int32).at[offsets[1:]].add(1, mode="drop")
     return jnp.cumsum(ends, dtype=jnp.int32)[:max_total]
+
+
+# ---------------------------------------------- the constructors' old names
+
+
+def jagged_from_lists(
+    lists: Sequence[Sequence[int]],
+    *,
+    max_total: int | None = None,
+    weights: Sequence[Sequence[float]] | None = None,
+    dtype: Any = jnp.int32,
+) -> JaggedIds:
+    """:meth:`JaggedIds.from_lists` (its earlier name; errors name this one)."""
+    return _from_lists(
+        lists,
+        max_total=max_total,
+        weights=weights,
+        dtype=dtype,
+        where="jaxslices.jagged_from_lists",
+    )
+
+
+def jagged_from_lengths(
+    values: ArrayLike,
+    lengths: ArrayLike,
+    *,
+    max_total: int | None = None,
+    weights: ArrayLike | None = None,
+) -> JaggedIds:
+    """:meth:`JaggedIds.from_lengths` (its earlier name; errors name this one)."""
+    return _from_lengths(
+        values,
+        lengths,
+        max_total=max_total,
+        weights=weights,
+        where="jaxslices.jagged_from_lengths",
+    )
+
+
+def jagged_from_padded(
+    ids: ArrayLike,
+    *,
+    padding_id: int,
+    max_total: int | None = None,
+    weights: ArrayLike | None = None,
+) -> JaggedIds:
+    """:meth:`JaggedIds.from_padded` (its earlier name; errors name this one)."""
+    return _from_padded(
+        ids,
+        padding_id=padding_id,
+        max_total=max_total,
+        weights=weights,
+        where="jaxslices.jagged_from_padded",
+    )

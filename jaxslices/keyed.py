@@ -25,13 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ids
-from .jagged import (
-    JaggedIds,
-    check_jagged,
-    jagged_from_lengths,
-    jagged_from_lists,
-    jagged_from_padded,
-)
+from .jagged import JaggedIds, _from_lengths, _from_lists, _from_padded, check_jagged
 
 __all__ = ["KeyedJaggedIds"]
 
@@ -190,8 +184,12 @@ class KeyedJaggedIds:
                 f"KeyedJaggedIds.from_lengths: `lengths` of shape {lengths.shape} "
                 f"must be [F, B] with F = {len(keys)} features, or flat [F * B]."
             )
-        ids = jagged_from_lengths(
-            values, lengths.reshape(-1), max_total=max_total, weights=weights
+        ids = _from_lengths(
+            values,
+            lengths.reshape(-1),
+            max_total=max_total,
+            weights=weights,
+            where="KeyedJaggedIds.from_lengths",
         )
         return cls._made(keys, ids)
 
@@ -231,7 +229,7 @@ class KeyedJaggedIds:
         if flat.size and not np.issubdtype(flat.dtype, np.integer):
             raise TypeError(f"{where}: ids must be integers, got {flat.dtype}.")
         w = None if weights is None else [bag for k in keys for bag in weights[k]]
-        ids = jagged_from_lists(bags, max_total=max_total, weights=w)
+        ids = _from_lists(bags, max_total=max_total, weights=w, where=where)
         return cls._made(keys, ids)
 
     @classmethod
@@ -246,7 +244,7 @@ class KeyedJaggedIds:
 
         Works on traced arrays (under ``jit``): ``max_total`` is ``F * B * L``
         (``L``: the longest bag axis; features may differ in ``L``), and the
-        ids of each bag keep their order (:func:`jaxslices.jagged_from_padded`).
+        ids of each bag keep their order (:meth:`jaxslices.JaggedIds.from_padded`).
 
         Example:
           >>> import jax.numpy as jnp, jaxslices as js
@@ -304,5 +302,7 @@ class KeyedJaggedIds:
         w = None
         if ws is not None:
             w = jnp.concatenate([pad(x, 0) for x in ws])
-        jagged = jagged_from_padded(ids, padding_id=padding_id, weights=w)
+        jagged = _from_padded(
+            ids, padding_id=padding_id, weights=w, where="KeyedJaggedIds.from_padded"
+        )
         return cls._made(keys, jagged)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _coalesce, _errors, _ids, _layout, _typed_indices
+from . import _coalesce, _errors, _ids, _spmd, _typed_indices
 from .kernels import _ops as kernel_ops
 
 __all__ = [
@@ -780,6 +780,12 @@ def global_norm(updates: Any) -> jax.Array:
     which squares the raw values and under-reports the norm when ids repeat).
     Padding and invalid slots are ignored. Computed in at least float32.
 
+    Inside a row-sharded optimizer step (:func:`jaxslices.sharding.sharded_update`,
+    :meth:`jaxslices.sharding.ShardingPlan.update`), where each shard holds the
+    rows it owns, a sharded table's squared norm is summed over the shards, so
+    every device gets the norm of the whole gradient (the one
+    :func:`jaxslices.clip_by_global_norm` clips by).
+
     Example:
       >>> import jax.numpy as jnp, jaxslices
       >>> vals, ids = jnp.array([[3.], [3.]]), jnp.array([0, 0])
@@ -788,9 +794,27 @@ def global_norm(updates: Any) -> jax.Array:
       10.0
     """
     leaves = jax.tree.leaves(updates, is_leaf=is_indexed_slices)
+    leaves = [x for x in leaves if x is not None]
     if not leaves:
         return jnp.zeros((), jnp.float32)
-    return jnp.sqrt(sum(sum_of_squares(x) for x in leaves))
+    return jnp.sqrt(sum(_squared_norm(x) for x in leaves))
+
+
+def _squared_norm(x: Any) -> jax.Array:
+    """:func:`sum_of_squares`, summed over row shards (see :func:`global_norm`)."""
+    if not isinstance(x, IndexedSlices):
+        return sum_of_squares(x)
+    recipe = x._recipe
+    if recipe is not None and recipe.sumsq is not None:
+        sq = recipe.sumsq  # measured by the native kernel that coalesced them
+    elif x.unique_indices:  # coalesced (sorted or not): no duplicate to sum
+        vals = x.values.astype(jnp.promote_types(x.dtype, jnp.float32))
+        keep = _coalesce.rows_where(valid_mask(x), vals.ndim)
+        vals = jnp.where(keep, vals, jnp.zeros((), vals.dtype))
+        sq = jnp.sum(jnp.real(vals * jnp.conj(vals)))
+    else:
+        sq = sum_of_squares(x)
+    return _spmd.sum_over_shards(sq)
 
 
 def _check_target(
@@ -805,7 +829,7 @@ def _check_target(
         )
     # Under jit over a mesh: the slices' rows on every device before the
     # scatter, so XLA never scatters into a zero table and all-reduces it.
-    return x, _layout.replicate_rows(x, s)
+    return x, _spmd.replicate_rows(x, s)
 
 
 _PLUS = "IndexedSlices + array (optax.apply_updates)"

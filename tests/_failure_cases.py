@@ -111,15 +111,18 @@ def _attempt(fn, *args) -> dict:
 def _all_to_all(mesh, lookup_capacity, update_capacity) -> dict:
     tx = js.adagrad(0.1)
     params = _params(mesh, True)
-    state = js.sharded_init(tx, params)
+    state = js.sharding.sharded_init(tx, params)
     lookup = functools.partial(
-        js.sharded_lookup, axis="model", routing="all_to_all", capacity=lookup_capacity
+        js.sharding.sharded_lookup,
+        axis="model",
+        routing="all_to_all",
+        capacity=lookup_capacity,
     )
 
     @jax.jit
     def step(params, state, ids, y):
         loss, grads = js.value_and_grad(_loss)(params, ids, y, lookup)
-        return js.sharded_update(
+        return js.sharding.sharded_update(
             tx,
             grads,
             state,

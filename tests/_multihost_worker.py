@@ -90,12 +90,12 @@ def run(mode: str) -> float:
             return js.apply_updates(p, u), s
 
     else:
-        state = js.sharded_init(tx, params)
+        state = js.sharding.sharded_init(tx, params)
         lookup = functools.partial(
-            js.sharded_lookup, axis="model", routing="all_to_all"
+            js.sharding.sharded_lookup, axis="model", routing="all_to_all"
         )
         update = functools.partial(
-            js.sharded_update, tx, axis="model", routing="all_to_all"
+            js.sharding.sharded_update, tx, axis="model", routing="all_to_all"
         )
 
     @jax.jit
@@ -127,7 +127,7 @@ def run_plan() -> float:
             js.TableConfig("small", 20, D),
         ]
     )
-    plan = js.ShardingPlan(
+    plan = js.sharding.ShardingPlan(
         coll,
         mesh,
         "model",
@@ -145,7 +145,7 @@ def run_plan() -> float:
         return jnp.sum(jnp.tanh(lookup.concat(emb, ids, padding_id=-1)) ** 2)
 
     def train(lookup, emb, place):
-        state = js.sharded_init(tx, emb) if place else tx.init(emb)
+        state = js.sharding.sharded_init(tx, emb) if place else tx.init(emb)
 
         @jax.jit
         def step(emb, state, ids):

@@ -21,7 +21,6 @@ NAMESPACES = (
     "jaxslices.transforms",
     "jaxslices.sharding",
     "jaxslices.capacity",
-    "jaxslices.per_table",
     "jaxslices.kernels",
     "jaxslices.native",
     "jaxslices.nnx",

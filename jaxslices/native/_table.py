@@ -375,6 +375,8 @@ def lookup(
     num_rows = table.shape[0]
     ids = _ids.as_ids(ids, "jaxslices.native.lookup")
     if check_ids:
-        ids = _ids.check(ids, num_rows, "jaxslices.native.lookup(check_ids=True)")
+        ids = _ids.raise_if_out_of_range(
+            ids, num_rows, "jaxslices.native.lookup(check_ids=True)"
+        )
     out = _lookup(table, _ids.safe_ids(ids, num_rows))
     return out if dtype is None else out.astype(dtype)

@@ -10,7 +10,9 @@ This package is the transforms' namespace (``jaxslices.transforms.sgd`` and
 ``optax/_src`` and ``optax/transforms``: building blocks in ``_transform.py``,
 clipping in ``_clipping.py``, optimizer aliases in ``_alias.py``, gradient
 accumulation (:class:`MultiSteps`) in ``_accumulation.py``, conditional
-application (:func:`apply_if_finite`) in ``_conditionality.py``, and the one
+application (:func:`apply_if_finite`) in ``_conditionality.py``, per-table
+hyperparameters of a collection's stacked buffers (:func:`scale_by_table`,
+:func:`add_decayed_weights_by_table`) in ``_per_table.py``, and the one
 row-wise rule helper every stateful transform is written with in
 ``_rowwise.py``; :func:`upgrade_state` (``_upgrade.py``) reads checkpoints of
 the optimizer states saved before the row-major layout.
@@ -69,6 +71,9 @@ from ._clipping import clip as clip
 from ._clipping import clip_by_global_norm as clip_by_global_norm
 from ._clipping import clip_by_row_norm as clip_by_row_norm
 from ._conditionality import apply_if_finite as apply_if_finite
+from ._per_table import PerTableState as PerTableState
+from ._per_table import add_decayed_weights_by_table as add_decayed_weights_by_table
+from ._per_table import scale_by_table as scale_by_table
 from ._transform import AddDecayedWeightsState as AddDecayedWeightsState
 from ._transform import ScaleByLazyAdamState as ScaleByLazyAdamState
 from ._transform import ScaleByRowwiseRssState as ScaleByRowwiseRssState
@@ -91,6 +96,7 @@ __all__ = [
     "FtrlState",
     "MultiSteps",
     "MultiStepsState",
+    "PerTableState",
     "ScaleByLazyAdamState",
     "ScaleByRowwiseRssState",
     "ScaleByRssState",
@@ -98,6 +104,7 @@ __all__ = [
     "TraceState",
     "adagrad",
     "add_decayed_weights",
+    "add_decayed_weights_by_table",
     "apply_if_finite",
     "clip",
     "clip_by_global_norm",
@@ -113,6 +120,7 @@ __all__ = [
     "scale_by_rowwise_rss",
     "scale_by_rss",
     "scale_by_schedule",
+    "scale_by_table",
     "sgd",
     "trace",
     "upgrade_state",

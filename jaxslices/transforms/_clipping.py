@@ -18,13 +18,13 @@ from jax.typing import ArrayLike
 from .. import _coalesce
 from .._coalesce import check_method
 from ..kernels import _ops as kernel_ops
+from ..slices import global_norm
 from ._rowwise import (
     Native,
     abs_sq,
     check_all,
     check_max_distinct,
     coalesce_all,
-    global_norm,
     map_values,
     rowwise_update,
 )

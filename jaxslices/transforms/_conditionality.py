@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .. import _layout, _leaves
+from .. import _leaves, _spmd
 from .._leaves import is_leaf
 from ..slices import IndexedSlices
 
@@ -21,7 +21,7 @@ def _all_finite(updates) -> jax.Array:
     """
     leaves = jax.tree.leaves(updates, is_leaf=is_leaf)
     bad = [
-        _layout.sum_over_shards(jnp.sum(~jnp.isfinite(x.values)))
+        _spmd.sum_over_shards(jnp.sum(~jnp.isfinite(x.values)))
         if isinstance(x, IndexedSlices)
         else jnp.sum(~jnp.isfinite(x))
         for x in leaves

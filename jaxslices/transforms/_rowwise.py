@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from .. import _coalesce, _errors, _layout, _leaves, slices
+from .. import _coalesce, _errors, _leaves, _spmd, slices
 from ..kernels import _ops as kernel_ops
 from ..slices import IndexedSlices, _replace_values, check_slices
 from ..tree import _map_values
@@ -221,7 +221,7 @@ def set_rows(x: Any, c: IndexedSlices, new_rows: jax.Array) -> jax.Array:
     """Write ``new_rows`` into ``x`` at ``c``'s (unique) indices; padding dropped."""
     x = jnp.asarray(x)
     flags = promises(c)  # a layout constraint rebuilds c without its flags
-    idx, new_rows = _layout.replicate_rows(x, (slices.safe_indices(c), new_rows))
+    idx, new_rows = _spmd.replicate_rows(x, (slices.safe_indices(c), new_rows))
     return x.at[idx].set(new_rows.astype(x.dtype), mode="drop", **flags)
 
 
@@ -320,7 +320,7 @@ def coalesce_all(
     """Every slices leaf of ``updates`` coalesced (free where it is already).
 
     On the native path the kernel also measures the coalesced rows' squared
-    norm (kept in the result's recipe for :func:`global_norm`).
+    norm (kept in the result's recipe for :func:`jaxslices.global_norm`).
     """
     bounds = leaf_bounds(name, max_distinct, updates)
 
@@ -338,30 +338,6 @@ def coalesce_all(
         return coalesce_for_update(x, method, bound, where(name, path))
 
     return jax.tree_util.tree_map_with_path(leaf, updates, bounds, is_leaf=is_leaf)
-
-
-def global_norm(updates: Any) -> jax.Array:
-    """:func:`jaxslices.global_norm` of an updates tree whose slices are coalesced.
-
-    The sum of squares of a coalesced slices' values is the exact squared norm
-    of its dense equivalent, so this returns the same numbers.
-    """
-
-    def sum_sq(x):
-        if isinstance(x, IndexedSlices):
-            recipe = slices.recipe_of(x)
-            if recipe is not None and recipe.sumsq is not None:
-                # measured by the native kernel (per shard in a sharded step)
-                return _layout.sum_over_shards(recipe.sumsq)
-            values = coalesce_for_update(x).values  # free: coalesced by the caller
-            # Row-sharded step (all_to_all): each shard holds its own rows.
-            return _layout.sum_over_shards(slices.sum_of_squares(values))
-        return slices.sum_of_squares(x)
-
-    leaves = [x for x in jax.tree.leaves(updates, is_leaf=is_leaf) if x is not None]
-    if not leaves:
-        return jnp.zeros((), jnp.float32)
-    return jnp.sqrt(sum(sum_sq(x) for x in leaves))
 
 
 StateEntry = tuple[str, Any] | tuple[str, Any, int]

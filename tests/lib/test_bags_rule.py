@@ -114,7 +114,7 @@ def _value_and_grad(fn, *args):
 @pytest.mark.parametrize("combiner", COMBINERS)
 def test_functional_bags_padded_and_jagged(combiner, path):
     table, cot = _table(), _cot()
-    jagged = js.jagged_from_lists(BAGS, max_total=24)
+    jagged = js.JaggedIds.from_lists(BAGS, max_total=24)
     for what, ids in (("padded", jnp.asarray(IDS)), ("jagged", jagged)):
         with _path(path):
             step = _value_and_grad(
@@ -241,7 +241,7 @@ def test_collection_padded_and_keyed_jagged(path):
 def test_sharding_plan_on_8_devices(path):
     coll = _collection()
     mesh = _mesh.mesh((8,), ("model",))
-    plan = js.ShardingPlan(
+    plan = js.sharding.ShardingPlan(
         coll,
         mesh,
         "model",
@@ -278,7 +278,7 @@ def test_check_ids_raises_on_the_batch_at_every_entry_point():
     calls = {
         "embedding_bag": lambda: js.embedding_bag(table, IDS, check_ids=True),
         "embedding_bag jagged": lambda: js.embedding_bag(
-            table, js.jagged_from_lists(BAGS, max_total=24), check_ids=True
+            table, js.JaggedIds.from_lists(BAGS, max_total=24), check_ids=True
         ),
         "embedding_lookup": lambda: js.embedding_lookup(table, IDS, check_ids=True),
         "collection padded": lambda: coll(params, _features(coll), check_ids=True),

@@ -408,8 +408,8 @@ def test_ids_beyond_jax_integer_width_are_never_a_valid_row():
     kjt = js.KeyedJaggedIds.from_padded({"a": big}, padding_id=-1)
     with pytest.raises(ValueError, match=r"1 id is out of range"):
         coll(params, kjt, check_ids=True)
-    assert int(js.jagged_from_padded(big.T, padding_id=-1).values[0]) != 1
-    assert int(js.jagged_from_lengths(big[:, 0], np.array([2])).values[0]) != 1
+    assert int(js.JaggedIds.from_padded(big.T, padding_id=-1).values[0]) != 1
+    assert int(js.JaggedIds.from_lengths(big[:, 0], np.array([2])).values[0]) != 1
 
 
 def test_an_empty_batch_pools_nothing_and_checks_nothing():

@@ -51,15 +51,15 @@ def _dense_bag_loss(bags, weights, combiner, padding_id=None):
 
 def test_the_three_constructors_agree():
     bags = [[3, 1], [], [2, 2, 8]]
-    a = js.jagged_from_lists(bags, max_total=7, weights=[[1, 2], [], [3, 4, 5]])
-    b = js.jagged_from_lengths(
+    a = js.JaggedIds.from_lists(bags, max_total=7, weights=[[1, 2], [], [3, 4, 5]])
+    b = js.JaggedIds.from_lengths(
         jnp.array([3, 1, 2, 2, 8]),
         jnp.array([2, 0, 3]),
         max_total=7,
         weights=jnp.arange(1.0, 6.0),
     )
     padded = jnp.array([[3, -1, 1], [-1, -1, -1], [2, 2, 8]])
-    c = js.jagged_from_padded(
+    c = js.JaggedIds.from_padded(
         padded,
         padding_id=-1,
         max_total=7,
@@ -76,7 +76,7 @@ def test_the_three_constructors_agree():
 
 
 def test_defaults_and_a_pytree():
-    j = js.jagged_from_lists([[1], [2, 3]])
+    j = js.JaggedIds.from_lists([[1], [2, 3]])
     assert j.max_total == 3 and j.weights is None
     leaves = jax.tree.leaves(j)
     assert len(leaves) == 2  # weights None: no leaf
@@ -84,39 +84,41 @@ def test_defaults_and_a_pytree():
     assert isinstance(j2, js.JaggedIds)
     np.testing.assert_array_equal(j2.values, j.values)
     # values longer than max_total are cut (the unused tail), shorter padded
-    k = js.jagged_from_lengths(jnp.array([4, 5, 6, 7]), jnp.array([1, 1]), max_total=2)
+    k = js.JaggedIds.from_lengths(
+        jnp.array([4, 5, 6, 7]), jnp.array([1, 1]), max_total=2
+    )
     np.testing.assert_array_equal(k.values, [4, 5])
-    k = js.jagged_from_lengths(jnp.array([4]), jnp.array([1]), max_total=3)
+    k = js.JaggedIds.from_lengths(jnp.array([4]), jnp.array([1]), max_total=3)
     np.testing.assert_array_equal(k.values, [4, 0, 0])
 
 
 def test_overflow_raises_eagerly():
     with pytest.raises(ValueError, match=r"hold 3 ids in all, more than max_total=2"):
-        js.jagged_from_lists([[1, 2], [3]], max_total=2)
+        js.JaggedIds.from_lists([[1, 2], [3]], max_total=2)
     with pytest.raises(ValueError, match=r"hold 3 ids in all, more than max_total=2"):
-        js.jagged_from_lengths(jnp.array([1, 2, 3]), jnp.array([2, 1]), max_total=2)
+        js.JaggedIds.from_lengths(jnp.array([1, 2, 3]), jnp.array([2, 1]), max_total=2)
     with pytest.raises(ValueError, match=r"only 2 ids were given"):
-        js.jagged_from_lengths(jnp.array([1, 2]), jnp.array([2, 1]), max_total=5)
+        js.JaggedIds.from_lengths(jnp.array([1, 2]), jnp.array([2, 1]), max_total=5)
     with pytest.raises(ValueError, match=r"`lengths` must be >= 0"):
-        js.jagged_from_lengths(jnp.array([1, 2]), jnp.array([2, -1]))
+        js.JaggedIds.from_lengths(jnp.array([1, 2]), jnp.array([2, -1]))
     with pytest.raises(ValueError, match=r"hold 4 ids in all, more than max_total=3"):
-        js.jagged_from_padded(
+        js.JaggedIds.from_padded(
             jnp.array([[1, 0], [2, 3], [4, 0]]), padding_id=0, max_total=3
         )
     with pytest.raises(TypeError, match="`max_total` must be a Python int"):
-        js.jagged_from_lists([[1]], max_total=2.0)
+        js.JaggedIds.from_lists([[1]], max_total=2.0)
     with pytest.raises(ValueError, match="one weight per id"):
-        js.jagged_from_lists([[1, 2]], weights=[[1.0]])
+        js.JaggedIds.from_lists([[1, 2]], weights=[[1.0]])
     with pytest.raises(TypeError, match="`values` must be integers"):
-        js.jagged_from_lengths(jnp.array([1.0]), jnp.array([1]))
+        js.JaggedIds.from_lengths(jnp.array([1.0]), jnp.array([1]))
     with pytest.raises(ValueError, match=r"padded \[num_bags, L\]"):
-        js.jagged_from_padded(jnp.array([1, 2]), padding_id=0)
+        js.JaggedIds.from_padded(jnp.array([1, 2]), padding_id=0)
 
 
 def test_overflow_raises_under_jit():
     @jax.jit
     def from_lengths(values, lengths):
-        return js.jagged_from_lengths(values, lengths, max_total=3).offsets
+        return js.JaggedIds.from_lengths(values, lengths, max_total=3).offsets
 
     values = jnp.arange(5)
     np.testing.assert_array_equal(from_lengths(values, jnp.array([1, 2])), [0, 1, 3])
@@ -127,7 +129,7 @@ def test_overflow_raises_under_jit():
 
     @jax.jit
     def from_padded(ids):
-        j = js.jagged_from_padded(ids, padding_id=0, max_total=2)
+        j = js.JaggedIds.from_padded(ids, padding_id=0, max_total=2)
         return j.values, j.offsets
 
     vals, offs = from_padded(jnp.array([[0, 7], [8, 0]]))
@@ -159,7 +161,7 @@ def test_check_jagged_refuses_bad_offsets_and_shapes():
         )
     with pytest.raises(TypeError, match="`offsets` must be integers"):
         js.check_jagged(js.JaggedIds(jnp.zeros(2, jnp.int32), jnp.array([0.0])))
-    j = js.jagged_from_lists([[1]], weights=[[2.0]])
+    j = js.JaggedIds.from_lists([[1]], weights=[[2.0]])
     with pytest.raises(ValueError, match="weights given twice"):
         js.embedding_bag(_table(), j, weights=jnp.ones(1))
 
@@ -222,7 +224,7 @@ def test_forward_and_sparse_gradient_equal_the_references(
     if not weighted:
         weights = [[1.0] * len(b) for b in bags]
     total = sum(map(len, bags))
-    jagged = js.jagged_from_lists(bags, max_total=14, weights=weights)
+    jagged = js.JaggedIds.from_lists(bags, max_total=14, weights=weights)
     table = _table(seed)
 
     out = js.embedding_bag(table, jagged, combiner=combiner, padding_id=padding_id)
@@ -252,7 +254,7 @@ def test_jagged_equals_the_padded_form_values_and_gradients():
     for b, (ids, ws) in enumerate(zip(bags, weights, strict=True)):
         padded[b, : len(ids)] = ids
         pw[b, : len(ws)] = ws
-    jagged = js.jagged_from_padded(
+    jagged = js.JaggedIds.from_padded(
         jnp.asarray(padded), padding_id=-1, weights=jnp.asarray(pw)
     )
     table = _table(1)
@@ -301,14 +303,14 @@ def test_one_compilation_for_every_total_and_check_ids():
         [[8, 8, 8, 8]],
     ):
         bags = bags + [[]] * (2 - len(bags)) if len(bags) < 2 else bags[:2]
-        out = f(table, js.jagged_from_lists(bags, max_total=4))
+        out = f(table, js.JaggedIds.from_lists(bags, max_total=4))
         np.testing.assert_allclose(
             out,
             bag_reference(table, bags, [[1.0] * len(b) for b in bags], "sum"),
             rtol=1e-6,
         )
     assert len(traces) == 1
-    bad = js.jagged_from_lists([[1, 12]])
+    bad = js.JaggedIds.from_lists([[1, 12]])
     out = js.embedding_bag(table, bad, combiner="sum")  # policy: out of range reads 0
     np.testing.assert_allclose(out[0], table[1], rtol=1e-6)
     with pytest.raises(ValueError, match=r"1 id is out of range"):
@@ -317,7 +319,7 @@ def test_one_compilation_for_every_total_and_check_ids():
 
 def test_empty_bags_and_an_all_unused_batch():
     table = _table()
-    j = js.jagged_from_lists([[], []], max_total=3)
+    j = js.JaggedIds.from_lists([[], []], max_total=3)
     for combiner in ("sum", "mean", "sqrtn"):
         out = js.embedding_bag(table, j, combiner=combiner)
         np.testing.assert_array_equal(out, np.zeros((2, D)))

@@ -307,18 +307,18 @@ def test_all_to_all_routing_on_a_2d_mesh(off):
     route = dict(axis="model", routing="all_to_all", mesh=m)
 
     def step(params, state, ids, y):
-        lookup = lambda t, i: js.sharded_lookup(t, i, **route)  # noqa: E731
+        lookup = lambda t, i: js.sharding.sharded_lookup(t, i, **route)  # noqa: E731
         loss, grads = js.value_and_grad(_mesh.loss_fn)(params, ids, y, lookup)
-        params, state = js.sharded_update(tx, grads, state, params, **route)
+        params, state = js.sharding.sharded_update(tx, grads, state, params, **route)
         return params, state, loss
 
     sharded = {
-        "emb": js.shard_rows(params["emb"], m, "model"),
+        "emb": js.sharding.shard_rows(params["emb"], m, "model"),
         "w": jax.device_put(params["w"], NamedSharding(m, P())),
     }
     bat = NamedSharding(m, P(("model", "data")))
     out = jax.jit(step)(
-        sharded, js.sharded_init(tx, sharded), *jax.device_put((ids, y), bat)
+        sharded, js.sharding.sharded_init(tx, sharded), *jax.device_put((ids, y), bat)
     )
     _mesh.assert_trees_close(out, ref)
 
@@ -328,10 +328,10 @@ def test_all_to_all_without_a_mesh_and_without_abstract_mesh_asks_for_one(
 ):
     monkeypatch.setitem(_jax_compat.AVAILABLE, "abstract_mesh", False)
     m = _mesh.mesh((8,), ("model",))
-    table = js.shard_rows(jnp.ones((V, D)), m, "model")
+    table = js.sharding.shard_rows(jnp.ones((V, D)), m, "model")
     ids = jax.device_put(jnp.zeros((8, 2), jnp.int32), NamedSharding(m, P("model")))
     route = dict(axis="model", routing="all_to_all")
-    f = jax.jit(lambda t, i: js.sharded_lookup(t, i, **route))
+    f = jax.jit(lambda t, i: js.sharding.sharded_lookup(t, i, **route))
     with pytest.raises(ValueError, match="pass `mesh=`"):
         f(table, ids)
 

@@ -179,7 +179,7 @@ def test_jagged_bags_and_row_shapes(name):
         h = js.embedding_bag(p["emb"], bags, combiner="sqrtn")
         return jnp.mean((jnp.sum(h * p["w"], axis=(1, 2)) - y) ** 2)
 
-    bags = js.jagged_from_lists(lists, max_total=12)
+    bags = js.JaggedIds.from_lists(lists, max_total=12)
     batches = [(bags, jnp.arange(5.0))] * 3
     tx = OPTIMIZERS[name]()
     _assert_trees_close(
@@ -675,14 +675,14 @@ def test_collection_and_plan_steps_export_for_cuda_and_tpu():
         text = _exported_text(step, params, tx.init(params), feats, y)
         assert "@jaxslices_" not in text
     mesh = Mesh(np.array(jax.devices()[:8]), ("model",))
-    plan = js.ShardingPlan(
+    plan = js.sharding.ShardingPlan(
         coll, mesh, "model", {"a": "row_wise", "b": "table_wise"}, batch_size=8
     )
     pparams = {
         "emb": plan.shard(params["emb"]),
         "w": jax.device_put(params["w"], NamedSharding(mesh, P())),
     }
-    pstate = js.sharded_init(tx, pparams)
+    pstate = js.sharding.sharded_init(tx, pparams)
     pids = jax.device_put(ids, NamedSharding(mesh, P("model")))
     text = _exported_text(make_step(plan), pparams, pstate, pids, y)
     assert "@jaxslices_" not in text
@@ -693,7 +693,7 @@ def test_apply_max_norm_native_equals_xla(norm_type):
     rng = np.random.default_rng(15)
     table = jnp.asarray(rng.normal(size=(30, 2, 3)) * 2, jnp.float32)
     ids = jnp.asarray([[1, 1, 5], [7, 33, -1], [5, 0, 0]])
-    bags = js.jagged_from_lists([[1, 1], [5, 7], [29]], max_total=8)
+    bags = js.JaggedIds.from_lists([[1, 1], [5, 7], [29]], max_total=8)
 
     def f(t, ids):
         return js.apply_max_norm(t, ids, 1.5, norm_type=norm_type)

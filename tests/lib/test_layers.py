@@ -274,7 +274,7 @@ def test_bag_layers_equal_the_references(fw, combiner):
     pw = jnp.asarray(_padded(WEIGHTS, 0.0), jnp.float32)
     flat = jnp.array([i for b in BAGS for i in b], jnp.int32)
     starts = jnp.array(np.cumsum([0] + [len(b) for b in BAGS[:-1]]), jnp.int32)
-    jagged = js.jagged_from_lists(BAGS, max_total=12, weights=WEIGHTS)
+    jagged = js.JaggedIds.from_lists(BAGS, max_total=12, weights=WEIGHTS)
     flat_w = jnp.array([w for b in WEIGHTS for w in b], jnp.float32)
     for args in ((padded, None, pw), (jagged,), (flat, starts, flat_w)):
         np.testing.assert_allclose(fw.call(layer, *args), ref, rtol=1e-5, atol=1e-6)

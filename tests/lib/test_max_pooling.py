@@ -136,7 +136,7 @@ def test_matches_pytorch_padded_and_jagged(
 
     # jagged: the same bags, with room to spare
     slots = ids.size + 3
-    jagged = js.jagged_from_lists(bags, max_total=slots)
+    jagged = js.JaggedIds.from_lists(bags, max_total=slots)
     got = jax.jit(pool)(t, jagged)
     np.testing.assert_array_equal(np.asarray(got, np.float64), out)
     g = jax.jit(js.grad(_loss(pool, jnp.asarray(cot))))(t, jagged)
@@ -171,7 +171,7 @@ def test_negative_rows_empty_bags_and_nan():
     assert np.isnan(out[2, 0]) and out[2, 1] == 0.0  # a NaN propagates
     g = js.grad(lambda t: js.embedding_bag(t, ids, combiner="max")[:2].sum())(table)
     assert not np.asarray(g.values)[3:6].any()  # the empty bag: no gradient
-    bags = js.jagged_from_lists([[0, 1, -1], [], [1, 2, 0]], max_total=8)
+    bags = js.JaggedIds.from_lists([[0, 1, -1], [], [1, 2, 0]], max_total=8)
     got = js.embedding_bag(table, bags, combiner="max")
     np.testing.assert_array_equal(got[:2], [[-2.0, -1.0], [0.0, 0.0]])
     assert np.isnan(got[2, 0]) and got[2, 1] == 0.0
@@ -195,7 +195,7 @@ def test_per_id_weights_are_refused():
     match = r"per-id weights are not defined for combiner='max'"
     with pytest.raises(ValueError, match=match):
         js.embedding_bag(table, ids, weights=jnp.ones((1, 2)), combiner="max")
-    weighted = js.jagged_from_lists([[0, 1]], max_total=4, weights=[[1.0, 2.0]])
+    weighted = js.JaggedIds.from_lists([[0, 1]], max_total=4, weights=[[1.0, 2.0]])
     with pytest.raises(ValueError, match=match):
         js.embedding_bag(table, weighted, combiner="max")
     flat, offsets, w = jnp.array([0, 1, 2]), jnp.array([0, 2]), jnp.ones(3)

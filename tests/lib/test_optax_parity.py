@@ -40,6 +40,8 @@ NO_NAMESAKE = {
     "densify": "turns slices into dense arrays; Optax has no slices",
     "ftrl": "FTRL-proximal (Keras 3); not in Optax 0.2.8",
     "rowwise_adagrad": "FBGEMM's exact row-wise Adagrad; not in Optax",
+    "scale_by_table": "per-table factors of a collection's stacked buffers",
+    "add_decayed_weights_by_table": "per-table decay of a collection's buffers",
     "scale_by_rowwise_rss": "its building block",
     "tree_map_values": "maps the values of slices; Optax's trees have none",
     "tree_pmean": "cross-device reduction of trees with slices (jax.lax.pmean)",

@@ -77,7 +77,7 @@ def test_the_numbers_pytorch_prints():
     # input [0, 1, 2, 1], offsets [0, 2]: the padding row is renormalised in
     # the weight too, and left out of the bags.
     wb = jnp.array([[3.0, 4.0], [3.0, 4.0], [6.0, 8.0], [1.0, 0.0]])
-    bags = js.jagged_from_lengths(jnp.array([0, 1, 2, 1]), jnp.array([2, 2]))
+    bags = js.JaggedIds.from_lengths(jnp.array([0, 1, 2, 1]), jnp.array([2, 2]))
     out = js.embedding_bag(wb, bags, padding_id=1, max_norm=1.0)
     np.testing.assert_allclose(out, [[0.6, 0.8], [0.6, 0.8]], rtol=1e-6)
     torch_wb = [[0.6, 0.8], [0.6, 0.8], [0.6, 0.8], [1.0, 0.0]]

@@ -38,7 +38,11 @@ OLD_PUBLIC_NAMES = {
         "scale_by_learning_rate scale_by_rowwise_rss scale_by_rss scale_by_schedule "
         "scatter_add scatter_sub scatter_update sgd shard_rows sharded_init "
         "sharded_lookup sharded_update sharding sparse_mask to_dense trace tree_add "
-        "tree_map_values tree_pmean tree_psum tree_scale value_and_grad"
+        "tree_map_values tree_pmean tree_psum tree_scale value_and_grad "
+        # and the names of the collections' layout (before issue 29)
+        "Buffer EmbeddingCollection JaggedIds KeyedJaggedIds ShardingPlan "
+        "TableConfig TablePlan check_jagged jagged_from_lengths jagged_from_lists "
+        "jagged_from_padded per_table plan"
     ),
     "jaxslices.transforms": (
         "AddDecayedWeightsState FtrlState ScaleByLazyAdamState "
@@ -50,6 +54,16 @@ OLD_PUBLIC_NAMES = {
     ),
     "jaxslices.sharding": (
         "Routing replicate_rows shard_rows sharded_init sharded_lookup sharded_update"
+    ),
+    # Issue 29's layout moved these; each must still import from here.
+    "jaxslices.plans": "KINDS ShardingPlan TablePlan plan",
+    "jaxslices.per_table": (
+        "PerTableState add_decayed_weights_by_table scale_by_table"
+    ),
+    "jaxslices.collection": "Buffer EmbeddingCollection TableConfig",
+    "jaxslices.jagged": (
+        "JaggedIds check_jagged jagged_from_lengths jagged_from_lists "
+        "jagged_from_padded segment_ids"
     ),
     "jaxslices.native": (
         "NativeBackendError RowSparse RowSparseType SparseTable SparseTableType "
@@ -119,10 +133,15 @@ def external_imports(path: Path) -> set[str]:
     return out - {"jaxslices"}
 
 
+def _layer_rows() -> list[tuple[str, str, str]]:
+    """``(layer, name, modules cell)`` of the maintainer map's "Import layers"."""
+    text = MAP.read_text().split("## Import layers", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| (\d+) \| ([^|]+) \| (.+) \|$", text, flags=re.M)
+
+
 def layers() -> dict[str, int]:
     """Module -> layer, from the maintainer map's "Import layers" table."""
-    text = MAP.read_text().split("## Import layers", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| (\d+) \| [^|]+ \| (.+) \|$", text, flags=re.M)
+    rows = [(layer, cell) for layer, _, cell in _layer_rows()]
     assert rows, "jaxslices/README.md has no 'Import layers' table"
     known = modules()
     out: dict[str, int] = {}
@@ -214,7 +233,8 @@ def test_foundations_import_jax_only(module):
 
 def test_optional_units_are_imported_by_nothing_else():
     mapped = layers()
-    units = {m for m, layer in mapped.items() if layer == 7}
+    (optional,) = [int(n) for n, name, _ in _layer_rows() if "optional" in name]
+    units = {m for m, layer in mapped.items() if layer == optional}
     assert units >= {"nnx", "linen", "equinox", "native"}
 
     def unit(m: str) -> str:
@@ -258,3 +278,28 @@ def test_the_old_paths_hook_never_hides_a_module():
     assert finders[0].find_spec("jaxslices.slices") is None
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("jaxslices._no_such_module")
+
+
+def test_old_top_level_names_import_but_are_not_exported():
+    """The export rule's moved names (jaxslices/README.md): rule 4."""
+    import jaxslices
+    from jaxslices._moved import OLD_NAMES
+
+    for name, (module, attr) in OLD_NAMES.items():
+        assert name not in jaxslices.__all__, name
+        mod = importlib.import_module(module)
+        assert getattr(jaxslices, name) is (mod if attr is None else getattr(mod, attr))
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        jaxslices.no_such_name  # noqa: B018
+
+
+def test_the_top_level_repeats_no_namespace_but_the_transforms():
+    """Rule 2: a namespace's names are not repeated at the top level (the
+    transforms are rule 1's exception, as in Optax)."""
+    import jaxslices
+
+    top = {id(getattr(jaxslices, n)) for n in jaxslices.__all__}
+    for ns in ("jaxslices.sharding", "jaxslices.capacity", "jaxslices.kernels"):
+        mod = importlib.import_module(ns)
+        shared = [n for n in mod.__all__ if id(getattr(mod, n)) in top]
+        assert not shared, (ns, shared)

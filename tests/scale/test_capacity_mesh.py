@@ -56,24 +56,24 @@ def test_all_to_all_update_with_a_bound_raises_inside_shard_map():
     params = _mesh.init_params(V, D)
     tx = js.adagrad(0.5, max_distinct=4)  # per shard, after routing
     placed = {
-        "emb": js.shard_rows(params["emb"], m, "model"),
+        "emb": js.sharding.shard_rows(params["emb"], m, "model"),
         "w": jax.device_put(params["w"], _mesh.replicated(m)),
     }
 
     @jax.jit
     def step(params, state, ids, y):
         _, grads = js.value_and_grad(_mesh.loss_fn)(params, ids, y)
-        return js.sharded_update(
+        return js.sharding.sharded_update(
             tx, grads, state, params, axis="model", routing="all_to_all", mesh=m
         )
 
-    state = js.sharded_init(tx, placed)
+    state = js.sharding.sharded_init(tx, placed)
     y = jnp.asarray(np.random.default_rng(0).normal(size=(B,)), jnp.float32)
     # One row on each of the 8 shards (8 rows each): 1 <= 4 distinct per shard.
     ids = jnp.asarray((np.arange(B * BAG) % 8 * 8).reshape(B, BAG), jnp.int32)
     new, _ = step(placed, state, ids, y)
     ref_tx = js.adagrad(0.5)
-    ref_p, _ = js.sharded_update(
+    ref_p, _ = js.sharding.sharded_update(
         ref_tx,
         js.value_and_grad(_mesh.loss_fn)(params, ids, y)[1],
         ref_tx.init(params),
@@ -96,11 +96,11 @@ def test_the_all_to_all_estimate_is_the_smallest_capacity_that_runs():
         batches, num_rows=V, num_shards=8, margin=1.0, multiple=1
     )
     rows = jnp.arange(V * D, dtype=jnp.float32).reshape(V, D)
-    table = js.shard_rows(rows, m, "model")
+    table = js.sharding.shard_rows(rows, m, "model")
 
     def lookup(capacity):
         return jax.jit(
-            lambda t, i: js.sharded_lookup(
+            lambda t, i: js.sharding.sharded_lookup(
                 t, i, axis="model", routing="all_to_all", capacity=capacity, mesh=m
             )
         )

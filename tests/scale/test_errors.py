@@ -204,7 +204,7 @@ def _max_distinct():
 
 
 def _jagged_max_total():
-    step = jax.jit(lambda v, n: js.jagged_from_lengths(v, n, max_total=3).offsets)
+    step = jax.jit(lambda v, n: js.JaggedIds.from_lengths(v, n, max_total=3).offsets)
     values = jnp.arange(5)
     return step, (values, jnp.array([1, 2])), (values, jnp.array([2, 2]))
 
@@ -243,7 +243,7 @@ KINDS = {
     ),
     "max_total": (
         _jagged_max_total,
-        "jaxslices.jagged_from_lengths: the bags hold 4 ids in all, more than "
+        "jaxslices.JaggedIds.from_lengths: the bags hold 4 ids in all, more than "
         "max_total=3 slots. Pass a larger static `max_total`",
     ),
     "MultiSteps capacity": (

@@ -47,7 +47,7 @@ def _batch(seed, scale=1):
 
 def _tx(coll, elementwise=False):
     """Row-wise Adagrad, or lazy Adam (element-wise) where a plan has column-wise
-    tables: a column piece is a row to a row-wise optimizer (see plans.py)."""
+    tables: a column piece is a row to a row-wise optimizer (docs/collections.md)."""
     first = js.lazy_adam(0.05) if elementwise else js.rowwise_adagrad(0.3)
     return optax.chain(first, coll.scale_by_table({"c": 0.5}))
 
@@ -59,7 +59,11 @@ def _loss(lookup, params, ids, y):
 
 def _train(lookup, params, batches, sharding=None, elementwise=False):
     tx = _tx(lookup, elementwise)
-    state = js.sharded_init(tx, params) if sharding is not None else tx.init(params)
+    state = (
+        js.sharding.sharded_init(tx, params)
+        if sharding is not None
+        else tx.init(params)
+    )
 
     @jax.jit
     def step(params, state, ids, y):
@@ -102,7 +106,7 @@ PLANS = {
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_every_plan_trains_like_one_device(name):
     m = _mesh.mesh((8,), ("model",))
-    plan = js.ShardingPlan(COLL, m, "model", PLANS[name], batch_size=B)
+    plan = js.sharding.ShardingPlan(COLL, m, "model", PLANS[name], batch_size=B)
     batches = [_batch(s) for s in range(2)]
     elementwise = any(p.kind == "column_wise" for p in plan.tables.values())
     params0, (want, want_losses) = _single(elementwise)
@@ -139,13 +143,13 @@ def test_communication_is_batch_sized_not_table_sized():
         ]
         coll = js.EmbeddingCollection(tables)
         ids_per_step = {t.name: 3 * B * len(t.features) for t in tables}
-        plan = js.ShardingPlan(
+        plan = js.sharding.ShardingPlan(
             coll, m, "model", PLANS["mixed"], ids_per_step=ids_per_step
         )
         emb = plan.shard(coll.init(jax.random.key(0)))
         params = {"emb": emb, "w": jax.device_put(jnp.zeros(44), NamedSharding(m, P()))}
         tx = _tx(plan)
-        state = js.sharded_init(tx, params)
+        state = js.sharding.sharded_init(tx, params)
         ids, y = jax.device_put(_batch(0, scale), NamedSharding(m, P("model")))
 
         def step(params, state, ids, y, plan=plan, tx=tx):
@@ -175,7 +179,9 @@ def test_planner_chooses_by_size_and_memory_and_takes_overrides():
         ]
     )
     limit = 8_000_000  # bytes per device: "huge" (36 MB with state) is split
-    p = js.plan(coll, m, "model", batch_size=64, device_memory=limit)
+    p = js.sharding.plan_collection(
+        coll, m, "model", batch_size=64, device_memory=limit
+    )
     kinds = {t: p.tables[t].kind for t in p.tables}
     assert kinds == {
         "tiny": "data_parallel",
@@ -186,25 +192,31 @@ def test_planner_chooses_by_size_and_memory_and_takes_overrides():
     }
     assert p.tables["mid"].device != p.tables["wide"].device  # spread out
     assert max(p.memory_per_device()) <= limit
-    q = js.plan(
+    q = js.sharding.plan_collection(
         coll, m, "model", batch_size=64, device_memory=limit,
         overrides={"wide": "column_wise", "mid": ("table_wise", 5)},
     )  # fmt: skip
     assert q.tables["wide"].kind == "column_wise" and q.tables["mid"].device == 5
     with pytest.raises(ValueError, match="'huge' .* does not fit"):
-        js.plan(coll, m, "model", batch_size=64, device_memory=100_000)
+        js.sharding.plan_collection(
+            coll, m, "model", batch_size=64, device_memory=100_000
+        )
     with pytest.raises(ValueError, match="dim divisible by 8"):
-        js.plan(coll, m, "model", batch_size=64, overrides={"narrow": "column_wise"})
+        js.sharding.plan_collection(
+            coll, m, "model", batch_size=64, overrides={"narrow": "column_wise"}
+        )
     with pytest.raises(ValueError, match="missing"):
-        js.ShardingPlan(coll, m, "model", {"tiny": "row_wise"})
+        js.sharding.ShardingPlan(coll, m, "model", {"tiny": "row_wise"})
     with pytest.raises(ValueError, match="kind must be one of"):
-        js.ShardingPlan(coll, m, "model", {t.name: "rows" for t in coll.tables})
+        js.sharding.ShardingPlan(
+            coll, m, "model", {t.name: "rows" for t in coll.tables}
+        )
 
 
 def test_a_jagged_input_on_a_plan():
     """A KeyedJaggedIds (replicated) through the mixed plan: the same pooling."""
     m = _mesh.mesh((8,), ("model",))
-    plan = js.ShardingPlan(COLL, m, "model", PLANS["mixed"], batch_size=B)
+    plan = js.sharding.ShardingPlan(COLL, m, "model", PLANS["mixed"], batch_size=B)
     params = COLL.init(jax.random.key(1))
     ids, _ = _batch(3)
     lists = {
@@ -222,7 +234,7 @@ def test_a_plans_concat_refuses_sequence_tables_like_the_collection():
         [js.TableConfig("s", 16, 8, combiner=None, max_sequence_length=2)]
     )
     m = _mesh.mesh((8,), ("model",))
-    plan = js.ShardingPlan(coll, m, "model", {"s": "row_wise"}, batch_size=B)
+    plan = js.sharding.ShardingPlan(coll, m, "model", {"s": "row_wise"}, batch_size=B)
     params = plan.shard(coll.init(jax.random.key(0)))
     ids = {"s": jnp.zeros((B, 2), jnp.int32)}
     with pytest.raises(ValueError, match=r"ShardingPlan.concat: sequence tables"):

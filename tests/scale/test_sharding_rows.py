@@ -26,12 +26,12 @@ V, D, B, L = 8192, 8, 32, 4
 
 def _sharded_step(tx, routing, axis, capacity=None):
     lookup = functools.partial(
-        js.sharded_lookup, axis=axis, routing=routing, capacity=capacity
+        js.sharding.sharded_lookup, axis=axis, routing=routing, capacity=capacity
     )
 
     def step(params, state, ids, y):
         loss, grads = js.value_and_grad(_mesh.loss_fn)(params, ids, y, lookup)
-        params, state = js.sharded_update(
+        params, state = js.sharding.sharded_update(
             tx, grads, state, params, axis=axis, routing=routing, capacity=capacity
         )
         return params, state, loss
@@ -64,10 +64,10 @@ def _run(
             p1, s1, loss1 = single(p1, s1, ids, y)
 
     params = {
-        "emb": js.shard_rows(params0["emb"], m, axis),
+        "emb": js.sharding.shard_rows(params0["emb"], m, axis),
         "w": jax.device_put(params0["w"], NamedSharding(m, P())),
     }
-    state = js.sharded_init(tx, params)
+    state = js.sharding.sharded_init(tx, params)
     bat = NamedSharding(m, P(tuple(names)))
     placed = [(jax.device_put(i, bat), jax.device_put(y, bat)) for i, y in batches]
     step = jax.jit(_sharded_step(tx, routing, axis, capacity), donate_argnums=(0, 1))
@@ -136,16 +136,16 @@ def test_all_to_all_apply_if_finite_skips_on_every_shard():
     tx = js.apply_if_finite(js.sgd(0.5), 3)
     params0 = _mesh.init_params(V, D)
     params = {
-        "emb": js.shard_rows(params0["emb"], m, "model"),
+        "emb": js.sharding.shard_rows(params0["emb"], m, "model"),
         "w": jax.device_put(params0["w"], NamedSharding(m, P())),
     }
-    state = js.sharded_init(tx, params)
+    state = js.sharding.sharded_init(tx, params)
     bat = NamedSharding(m, P("model"))
 
     @jax.jit
     def step(params, state, ids, y, poison):
         def loss(params, ids, y):
-            rows = js.sharded_lookup(
+            rows = js.sharding.sharded_lookup(
                 params["emb"], ids, axis="model", routing="all_to_all"
             )
             rows = rows.at[0, 0, 0].multiply(poison)  # NaN on one row of shard 0
@@ -153,7 +153,7 @@ def test_all_to_all_apply_if_finite_skips_on_every_shard():
             return jnp.mean((jnp.tanh(h) @ params["w"] - y) ** 2)
 
         _, g = js.value_and_grad(loss)(params, ids, y)
-        return js.sharded_update(
+        return js.sharding.sharded_update(
             tx, g, state, params, axis="model", routing="all_to_all"
         )
 
@@ -209,11 +209,13 @@ def test_sharded_lookup_alone_matches_take():
     m = _mesh.mesh((8,), ("model",))
     table = jnp.arange(V * 2, dtype=jnp.float32).reshape(V, 2)
     ids, _ = _mesh.batch(V, 16, 3)
-    placed = js.shard_rows(table, m, "model")
+    placed = js.sharding.shard_rows(table, m, "model")
     bat = jax.device_put(ids, NamedSharding(m, P("model")))
     for routing in ("masked", "all_to_all"):
         f = jax.jit(
-            lambda t, i, r=routing: js.sharded_lookup(t, i, axis="model", routing=r)
+            lambda t, i, r=routing: js.sharding.sharded_lookup(
+                t, i, axis="model", routing=r
+            )
         )
         out = f(placed, bat)
         expect = jnp.where((ids < V)[..., None], table[jnp.clip(ids, 0, V - 1)], 0)
@@ -221,7 +223,7 @@ def test_sharded_lookup_alone_matches_take():
         # plain jax.grad through the routed lookup is the dense gradient
         g = jax.jit(
             jax.grad(
-                lambda t, i, r=routing: js.sharded_lookup(
+                lambda t, i, r=routing: js.sharding.sharded_lookup(
                     t, i, axis="model", routing=r
                 ).sum()
             )
@@ -232,16 +234,22 @@ def test_sharded_lookup_alone_matches_take():
 
 def test_bad_arguments():
     m = _mesh.mesh((8,), ("model",))
-    table = js.shard_rows(jnp.ones((64, 2)), m, "model")
+    table = js.sharding.shard_rows(jnp.ones((64, 2)), m, "model")
     with pytest.raises(ValueError, match="routing"):
-        js.sharded_lookup(table, jnp.zeros((8,), jnp.int32), axis="model", routing="x")
+        js.sharding.sharded_lookup(
+            table, jnp.zeros((8,), jnp.int32), axis="model", routing="x"
+        )
     with pytest.raises(ValueError, match="capacity"):
-        js.sharded_lookup(table, jnp.zeros((8,), jnp.int32), axis="model", capacity=0)
+        js.sharding.sharded_lookup(
+            table, jnp.zeros((8,), jnp.int32), axis="model", capacity=0
+        )
     with pytest.raises(ValueError, match="axis"):
-        js.shard_rows(jnp.ones((8, 2)), m, "nope")
+        js.sharding.shard_rows(jnp.ones((8, 2)), m, "nope")
     with pytest.raises(ValueError, match="divisible"):
         jax.jit(
-            lambda t, i: js.sharded_lookup(t, i, axis="model", routing="all_to_all")
+            lambda t, i: js.sharding.sharded_lookup(
+                t, i, axis="model", routing="all_to_all"
+            )
         )(table, jnp.zeros((3, 2), jnp.int32))
 
 
@@ -266,17 +274,21 @@ def test_all_to_all_several_tables_of_different_sizes():
         u, state = tx.update(g, state, params)
         return js.apply_updates(params, u), state
 
-    lookup = functools.partial(js.sharded_lookup, axis="model", routing="all_to_all")
+    lookup = functools.partial(
+        js.sharding.sharded_lookup, axis="model", routing="all_to_all"
+    )
 
     @jax.jit
     def sharded(params, state, ia, ib):
         _, g = js.value_and_grad(loss)(params, ia, ib, lookup)
-        return js.sharded_update(
+        return js.sharding.sharded_update(
             tx, g, state, params, axis="model", routing="all_to_all"
         )
 
     ref = jax.jit(single)(params0, tx.init(params0))
-    params = {k: js.shard_rows(v, m, "model") for k, v in params0.items()}
+    params = {k: js.sharding.shard_rows(v, m, "model") for k, v in params0.items()}
     bat = NamedSharding(m, P("model"))
-    out = sharded(params, js.sharded_init(tx, params), *jax.device_put((ia, ib), bat))
+    out = sharded(
+        params, js.sharding.sharded_init(tx, params), *jax.device_put((ia, ib), bat)
+    )
     _mesh.assert_trees_close(jax.tree.map(lambda x, r: x[: r.shape[0]], out, ref), ref)

@@ -14,7 +14,7 @@ Which slots count in a bag is the library's one bags rule
 its own table, or equal to ``padding_id``, adds no row, weighs nothing in
 a ``"mean"`` / ``"sqrtn"`` denominator and gets no gradient, on the XLA
 path and the native one alike. Per buffer, every counted id becomes a
-buffer row (by its table's :class:`~jaxslices._buffers.Placement`: the
+buffer row (by its table's :class:`~jaxslices.collection._buffers.Placement`: the
 table's first row plus the id on one device; padding ``V`` for every other
 slot, and for features of other buffers) and one
 :func:`jaxslices.embedding_lookup` reads them all, so under
@@ -39,11 +39,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _errors, _ids, _tape
-from .embedding import embedding_lookup, pool
-from .jagged import segment_ids
-from .kernels import _ops as kernel_ops
-from .keyed import KeyedJaggedIds
+from .. import _errors, _ids, _tape
+from ..embedding import embedding_lookup, pool
+from ..jagged import segment_ids
+from ..kernels import _ops as kernel_ops
+from ..keyed import KeyedJaggedIds
 
 WHERE = "EmbeddingCollection"
 
@@ -229,7 +229,7 @@ def _row_ids(values, ok, spec, key, b, members):
     return jnp.where(ok, row, jnp.asarray(b.rows, idx))
 
 
-def _lookup_rows(table, gids, b):
+def _gather_rows(table, gids, b):
     """The one gather of a buffer; ``[..., width]`` rows."""
     rows = embedding_lookup(table, gids)
     if b.pieces > 1:
@@ -339,7 +339,7 @@ def _padded(coll, lay, params, features, padding_id, weights, check_ids, batch_m
                 out = out.reshape(*gids.shape[:2], b.width)
                 pooled[b.name] = ([spec.keys[i] for i in pos], out)
                 continue
-        rows = _lookup_rows(
+        rows = _gather_rows(
             params[b.name], gids, b
         )  # [F_b, B, L, width] or [B, F_b, ...]
         n = len(pos)
@@ -432,7 +432,7 @@ def _jagged(coll, lay, params, features, check_ids, batch_major):
                     out.reshape(*shape, b.width),
                 )
                 continue
-        rows = _lookup_rows(params[b.name], gids, b)
+        rows = _gather_rows(params[b.name], gids, b)
         if order:
             pooled[b.name] = (
                 [spec.keys[i] for i in order],

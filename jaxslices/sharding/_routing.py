@@ -41,128 +41,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _coalesce, _errors, _ids, _layout, _tape
-from . import updates as updates_
-from ._jax_compat import abstract_mesh as _abstract_mesh
-from ._jax_compat import all_gather_invariant as _all_gather_invariant
-from ._jax_compat import shard_map as _shard_map
-from ._layout import replicate_rows
-from .embedding import embedding_lookup
-from .slices import IndexedSlices, coalesce, is_indexed_slices
+from .. import _coalesce, _errors, _ids, _spmd, _tape
+from .. import updates as updates_
+from .._jax_compat import abstract_mesh as _abstract_mesh
+from .._jax_compat import all_gather_invariant as _all_gather_invariant
+from .._jax_compat import shard_map as _shard_map
+from ..embedding import embedding_lookup
+from ..slices import IndexedSlices, coalesce, is_indexed_slices
+from ._placement import check_axis as _check_axis
+from ._placement import state_specs
 
-__all__ = [
-    "Routing",
-    "replicate_rows",
-    "shard_rows",
-    "sharded_init",
-    "sharded_lookup",
-    "sharded_update",
-]
+__all__ = ["Routing", "sharded_lookup", "sharded_update"]
 
 Routing = Literal["masked", "all_to_all"]
 _ROUTINGS = ("masked", "all_to_all")
-
-
-# ------------------------------------------------------------ data parallel
-
-
-# ------------------------------------------------------------- placement
-
-
-def _check_axis(mesh: Any, axis: str, where: str) -> int:
-    if axis not in mesh.axis_names:
-        raise ValueError(
-            f"{where}: `axis` must name an axis of the mesh {dict(mesh.shape)}, "
-            f"got {axis!r}."
-        )
-    return int(mesh.shape[axis])
-
-
-def shard_rows(x: Any, mesh: Any, axis: str) -> jax.Array:
-    """Place ``x`` on ``mesh`` sharded by rows over ``axis``, padding rows if needed.
-
-    JAX shards evenly only, so a table of ``V`` rows on ``n`` shards gets
-    ``-V % n`` zero rows appended (``ceil(V / n) * n`` rows in all). The extra
-    rows are never read by valid ids (``< V``) and never receive a gradient;
-    ids in ``[V, padded V)`` would read them (zeros), so check ids against
-    ``V`` (:func:`jaxslices.check_ids`) if they may be out of range.
-
-    Args:
-      x: a ``[V, ...]`` array (a table, or an optimizer state leaf).
-      mesh: a :class:`jax.sharding.Mesh`.
-      axis: the mesh axis to shard the rows over.
-
-    Returns:
-      The (padded) array with sharding ``NamedSharding(mesh, P(axis))``.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, numpy as np, jaxslices
-      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
-      >>> jaxslices.shard_rows(jnp.ones((5, 2)), mesh, "model").shape
-      (5, 2)
-    """
-    n = _check_axis(mesh, axis, "shard_rows")
-    x = jnp.asarray(x)
-    if x.ndim < 1:
-        raise ValueError(f"shard_rows: `x` must have rows, got shape {x.shape}.")
-    pad = -x.shape[0] % n
-    if pad:
-        x = jnp.concatenate([x, jnp.zeros((pad, *x.shape[1:]), x.dtype)])
-    return jax.device_put(x, NamedSharding(mesh, P(axis)))
-
-
-def _state_shardings(tx: Any, state: Any, param_shardings: Any, mesh: Any) -> Any:
-    """Each params-like state leaf gets its param's sharding, the rest replicated."""
-    return optax.tree_utils.tree_map_params(
-        tx,
-        lambda _, s: s,
-        state,
-        param_shardings,
-        transform_non_params=lambda _: NamedSharding(mesh, P()),
-    )
-
-
-def sharded_init(tx: optax.GradientTransformation, params: Any) -> Any:
-    """``tx.init(params)``, each state leaf laid out like its parameter.
-
-    ``jax.jit(tx.init)`` would replicate the moments of a row-sharded table
-    (zeros carry no sharding); this places every params-shaped state leaf (a
-    momentum trace, Adagrad's accumulator, Adam's moments) with its parameter's
-    sharding and everything else (step counts) replicated on the same mesh.
-
-    Args:
-      tx: an Optax transformation.
-      params: the parameters, already placed (e.g. with :func:`shard_rows`).
-
-    Returns:
-      The optimizer state.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, numpy as np, jaxslices
-      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
-      >>> params = {"emb": jaxslices.shard_rows(jnp.ones((4, 2)), mesh, "model")}
-      >>> state = jaxslices.sharded_init(jaxslices.adagrad(0.1), params)
-      >>> spec = state[0].sum_of_squares["emb"].sharding.spec
-      >>> spec == jax.sharding.PartitionSpec("model")
-      True
-    """
-    shardings = jax.tree.map(lambda p: p.sharding, params)
-    meshes = {
-        s.mesh for s in jax.tree.leaves(shardings) if isinstance(s, NamedSharding)
-    }
-    if len(meshes) != 1:
-        raise ValueError(
-            "sharded_init: every parameter must be placed with a NamedSharding on "
-            f"one mesh (jax.device_put or jaxslices.shard_rows); found {len(meshes)} "
-            "meshes."
-        )
-    (mesh,) = meshes
-    shapes = jax.eval_shape(tx.init, params)
-    out = _state_shardings(tx, shapes, shardings, mesh)
-    return jax.jit(tx.init, out_shardings=out)(params)
 
 
 # ------------------------------------------------------------------ routing
@@ -246,7 +140,7 @@ def _resolve(table: Any, mesh: Any, axis: str, where: str):
         raise ValueError(
             f"{where}: the table has {table.shape[0]} rows, not a multiple of the "
             f"{shards} shards of mesh axis {axis!r}; place it with "
-            "jaxslices.shard_rows, which pads the rows."
+            "jaxslices.sharding.shard_rows, which pads the rows."
         )
     return mesh, shards, table.shape[0] // shards
 
@@ -322,8 +216,9 @@ def sharded_lookup(
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, jaxslices
       >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
-      >>> table = jaxslices.shard_rows(jnp.arange(8.0).reshape(4, 2), mesh, "model")
-      >>> f = jax.jit(lambda t, i: jaxslices.sharded_lookup(
+      >>> table = jnp.arange(8.0).reshape(4, 2)
+      >>> table = jaxslices.sharding.shard_rows(table, mesh, "model")
+      >>> f = jax.jit(lambda t, i: jaxslices.sharding.sharded_lookup(
       ...     t, i, axis="model", routing="all_to_all", mesh=mesh))
       >>> f(table, jnp.array([[3, 0]]))
       Array([[[6., 7.],
@@ -436,13 +331,14 @@ def sharded_update(
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, jaxslices
       >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
-      >>> params = {"emb": jaxslices.shard_rows(jnp.ones((4, 2)), mesh, "model")}
+      >>> emb = jaxslices.sharding.shard_rows(jnp.ones((4, 2)), mesh, "model")
+      >>> params = {"emb": emb}
       >>> tx = jaxslices.sgd(0.5)
       >>> g = {"emb": jaxslices.IndexedSlices(jnp.ones((2, 2)), jnp.array([1, 1]),
       ...                                     (4, 2))}
-      >>> step = jax.jit(lambda g, s, p: jaxslices.sharded_update(
+      >>> step = jax.jit(lambda g, s, p: jaxslices.sharding.sharded_update(
       ...     tx, g, s, p, axis="model", routing="all_to_all", mesh=mesh))
-      >>> new, _ = step(g, jaxslices.sharded_init(tx, params), params)
+      >>> new, _ = step(g, jaxslices.sharding.sharded_init(tx, params), params)
       >>> new["emb"][:, 0]
       Array([1., 0., 1., 1.], dtype=float32)
     """
@@ -487,15 +383,7 @@ def sharded_update(
             g_in.append(g)
             g_specs.append(P())
     p_spec_tree = jax.tree.unflatten(treedef, p_specs)
-    s_specs = optax.tree_utils.tree_map_params(
-        tx,
-        lambda _, s: s,
-        state,
-        p_spec_tree,
-        transform_non_params=lambda _: P(),
-        is_leaf=lambda x: isinstance(x, P),
-    )
-    s_specs = _broadcast_specs(s_specs, state)
+    s_specs = state_specs(tx, state, p_spec_tree, P())
 
     def local(g_flat, state, p_flat):
         local_grads = []
@@ -515,7 +403,7 @@ def sharded_update(
             local_grads.append(g)
         grads_ = jax.tree.unflatten(treedef, local_grads)
         params_ = jax.tree.unflatten(treedef, p_flat)
-        with _layout.rows_sharded_over(axis):  # global norms sum over shards
+        with _spmd.rows_sharded_over(axis):  # global norms sum over shards
             updates, new_state = tx.update(grads_, state, params_)
         return jax.tree.leaves(updates_.apply_updates(params_, updates)), new_state
 
@@ -526,14 +414,3 @@ def sharded_update(
         (p_specs, s_specs),
     )(g_in, state, leaves)
     return jax.tree.unflatten(treedef, new_leaves), new_state
-
-
-def _broadcast_specs(specs: Any, state: Any) -> Any:
-    """Expand spec subtrees (a ``P`` standing for a whole state subtree) to leaves."""
-
-    def expand(spec, sub):
-        return jax.tree.map(lambda _: spec, sub)
-
-    return jax.tree.map(
-        expand, specs, state, is_leaf=lambda x: isinstance(x, P) or x is None
-    )

@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import _leaves
-from .slices import IndexedSlices, _replace_values, check_slices
-from .transforms._rowwise import coalesce_for_update, mask_padding, rows
+from .. import _leaves
+from ..slices import IndexedSlices, _replace_values, check_slices
+from ._rowwise import coalesce_for_update, mask_padding, rows
 
 __all__ = ["PerTableState", "add_decayed_weights_by_table", "scale_by_table"]
 

@@ -65,7 +65,7 @@ _SHARDED = threading.local()
 def rows_sharded_over(axis: str) -> Iterator[None]:
     """While tracing a per-shard optimizer step: slices hold this shard's rows.
 
-    :func:`jaxslices.sharded_update` with ``routing="all_to_all"`` runs the
+    :func:`jaxslices.sharding.sharded_update` with ``routing="all_to_all"`` runs the
     optimizer inside ``shard_map`` on the rows each shard owns; a quantity
     summed over all rows (the global norm of ``clip_by_global_norm``, the
     non-finite count of ``apply_if_finite``) must then be summed over the
@@ -82,9 +82,16 @@ def rows_sharded_over(axis: str) -> Iterator[None]:
 def sum_over_shards(x: Any) -> Any:
     """``x``, computed from slices' rows, summed over the shards that own rows.
 
-    Inside :func:`rows_sharded_over` a ``psum`` over its axis (each shard holds
-    different rows; replicas over the mesh's other axes hold the same ones);
-    elsewhere ``x`` itself.
+    Inside :func:`rows_sharded_over` a ``psum`` over its axis when ``x``
+    varies over it (each shard holds different rows; replicas over the mesh's
+    other axes hold the same ones); a value that is the same on every shard
+    (computed from a replicated table's slices, which every device holds
+    whole) is counted once. Elsewhere ``x`` itself.
     """
     axis = getattr(_SHARDED, "axis", None)
-    return x if axis is None else jax.lax.psum(x, axis)
+    if axis is None:
+        return x
+    axes = _jax_compat.varying_axes(x)
+    if axes is not None and axis not in axes:
+        return x
+    return jax.lax.psum(x, axis)

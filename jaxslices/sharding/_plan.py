@@ -40,7 +40,6 @@ device's numbers (``tests/scale/test_plans.py``).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -50,10 +49,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _buffers, _pooling
-from .collection import EmbeddingCollection, TableConfig
+from ..collection import EmbeddingCollection, TableConfig, _buffers, _pooling
+from ..transforms import _per_table
+from . import _cost
 
-__all__ = ["KINDS", "ShardingPlan", "TablePlan", "plan"]
+__all__ = ["KINDS", "ShardingPlan", "TablePlan", "kind_and_device"]
 
 Kind = Literal["data_parallel", "table_wise", "row_wise", "column_wise"]
 KINDS: tuple[str, ...] = ("data_parallel", "table_wise", "row_wise", "column_wise")
@@ -81,32 +81,6 @@ class TablePlan:
     comm_bytes: int
 
 
-def _itemsize(t: TableConfig) -> int:
-    return int(np.dtype(t.dtype).itemsize)
-
-
-def _memory(t: TableConfig, kind: str, n: int, state_bytes_per_row: float) -> int:
-    per_row = t.dim * _itemsize(t) + state_bytes_per_row
-    if kind == "row_wise":
-        return int(math.ceil(t.rows / n) * per_row)
-    if kind == "column_wise":
-        return int(t.rows * (t.dim // n * _itemsize(t) + state_bytes_per_row))
-    return int(t.rows * per_row)
-
-
-def _comm(t: TableConfig, kind: str, ids: int, n: int) -> int:
-    """Bytes per device per step for ``ids`` looked-up ids in the global batch.
-
-    Data parallel: the gradient rows are all-gathered (``ids x dim``, plus
-    their int32 ids). Sharded kinds: also the forward's rows (the devices
-    that own them send them) and the ids themselves.
-    """
-    row = t.dim * _itemsize(t) + 4
-    if kind == "data_parallel":
-        return int(ids * row)
-    return int(2 * ids * row + 4 * ids)
-
-
 class ShardingPlan:
     """A placement of every table of a collection over one mesh axis.
 
@@ -130,8 +104,8 @@ class ShardingPlan:
       >>> coll = js.EmbeddingCollection(
       ...     [js.TableConfig("a", 8, 4), js.TableConfig("b", 12, 4)])
       >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
-      >>> p = js.ShardingPlan(coll, mesh, "model", {"a": "data_parallel",
-      ...                                            "b": "row_wise"})
+      >>> kinds = {"a": "data_parallel", "b": "row_wise"}
+      >>> p = js.sharding.ShardingPlan(coll, mesh, "model", kinds)
       >>> {k: v.shape for k, v in p.shard(coll.init(jax.random.key(0))).items()}
       {'dim4_float32': (8, 4), 'dim4_float32_sharded': (12, 4)}
     """
@@ -175,7 +149,7 @@ class ShardingPlan:
         placed: dict[str, tuple[str, int | None]] = {}
         robin = 0
         for t in collection.tables:
-            kind, device = _kind_and_device(kinds[t.name], t, n, where)
+            kind, device = kind_and_device(kinds[t.name], t, n, where)
             if kind == "table_wise" and device is None:
                 device, robin = robin % n, robin + 1
             placed[t.name] = (kind, device)
@@ -184,8 +158,8 @@ class ShardingPlan:
                 t.name,
                 placed[t.name][0],
                 placed[t.name][1],
-                _memory(t, placed[t.name][0], n, state_bytes_per_row),
-                _comm(t, placed[t.name][0], ids[t.name], n),
+                _cost.memory_bytes(t, placed[t.name][0], n, state_bytes_per_row),
+                _cost.comm_bytes(t, placed[t.name][0], ids[t.name], n),
             )
             for t in collection.tables
         }
@@ -218,8 +192,8 @@ class ShardingPlan:
           >>> coll = js.EmbeddingCollection(
           ...     [js.TableConfig("a", 8, 4), js.TableConfig("b", 12, 4)])
           >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
-          >>> plan = js.ShardingPlan(coll, mesh, "model", {"a": "data_parallel",
-          ...                                               "b": "row_wise"})
+          >>> kinds = {"a": "data_parallel", "b": "row_wise"}
+          >>> plan = js.sharding.ShardingPlan(coll, mesh, "model", kinds)
           >>> plan.memory_per_device()  # (8 + 12) rows x (16 + 4 state) bytes
           [400]
         """
@@ -274,8 +248,8 @@ class ShardingPlan:
           >>> coll = js.EmbeddingCollection(
           ...     [js.TableConfig("a", 8, 4), js.TableConfig("b", 12, 4)])
           >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
-          >>> plan = js.ShardingPlan(coll, mesh, "model", {"a": "table_wise",
-          ...                                               "b": "row_wise"})
+          >>> kinds = {"a": "table_wise", "b": "row_wise"}
+          >>> plan = js.sharding.ShardingPlan(coll, mesh, "model", kinds)
           >>> params = coll.init(jax.random.key(0))
           >>> back = plan.unshard(plan.shard(params))  # a round trip
           >>> bool(np.array_equal(back["dim4_float32"], params["dim4_float32"]))
@@ -295,21 +269,33 @@ class ShardingPlan:
 
     # -- lookups --------------------------------------------------------------
     def __call__(
-        self, params: Mapping[str, Any], features: Any, **kwargs: Any
+        self,
+        params: Mapping[str, Any],
+        features: Any,
+        *,
+        padding_id: int | None = None,
+        weights: Mapping[str, Any] | None = None,
+        check_ids: bool = False,
     ) -> dict[str, jax.Array]:
         """As :meth:`jaxslices.EmbeddingCollection.__call__`, on the plan's params."""
-        out = dict(self._lookup(params, features, False, kwargs))
+        out = self._lookup(params, features, padding_id, weights, check_ids, False)
         return {f: out[f] for f in self.collection.features}
 
     def concat(
-        self, params: Mapping[str, Any], features: Any, **kwargs: Any
+        self,
+        params: Mapping[str, Any],
+        features: Any,
+        *,
+        padding_id: int | None = None,
+        weights: Mapping[str, Any] | None = None,
+        check_ids: bool = False,
     ) -> jax.Array:
         """As :meth:`jaxslices.EmbeddingCollection.concat`, on the plan's params."""
         self.collection._refuse_sequences("ShardingPlan.concat")
-        cols = self._lookup(params, features, True, kwargs)
+        cols = self._lookup(params, features, padding_id, weights, check_ids, True)
         return jnp.concatenate([cols[f] for f in self.collection.features], axis=1)
 
-    def _lookup(self, params, features, batch_major, kwargs):
+    def _lookup(self, params, features, padding_id, weights, check_ids, batch_major):
         for b in self.buffers:
             x = params.get(b.name) if isinstance(params, Mapping) else None
             if x is None or tuple(x.shape) != b.shape:
@@ -323,29 +309,25 @@ class ShardingPlan:
             self.layout,
             params,
             features,
-            padding_id=kwargs.pop("padding_id", None),
-            weights=kwargs.pop("weights", None),
-            check_ids=kwargs.pop("check_ids", False),
+            padding_id=padding_id,
+            weights=weights,
+            check_ids=check_ids,
             batch_major=batch_major,
         )
-        if kwargs:
-            raise TypeError(f"ShardingPlan: unexpected arguments {sorted(kwargs)}.")
         return {**seqs, **_pooling.per_feature(pooled, batch_major)}
 
     # -- per-table hyperparameters -------------------------------------------
     def scale_by_table(self, factors: Mapping[str, Any], *, default: Any = 1.0):
-        """:func:`jaxslices.per_table.scale_by_table` for the plan's buffers."""
-        from .per_table import scale_by_table
-
-        return scale_by_table(_PlanView(self), factors, default=default)
+        """:func:`jaxslices.transforms.scale_by_table` for the plan's buffers."""
+        return _per_table.scale_by_table(_PlanView(self), factors, default=default)
 
     def add_decayed_weights_by_table(
         self, rates: Mapping[str, Any], *, default: Any = 0.0
     ):
-        """:func:`jaxslices.per_table.add_decayed_weights_by_table`, plan layout."""
-        from .per_table import add_decayed_weights_by_table
-
-        return add_decayed_weights_by_table(_PlanView(self), rates, default=default)
+        """:func:`jaxslices.transforms.add_decayed_weights_by_table`, plan layout."""
+        return _per_table.add_decayed_weights_by_table(
+            _PlanView(self), rates, default=default
+        )
 
 
 class _PlanView:
@@ -359,7 +341,7 @@ class _PlanView:
         )
 
 
-def _kind_and_device(given: Any, t: TableConfig, n: int, where: str):
+def kind_and_device(given: Any, t: TableConfig, n: int, where: str):
     device = None
     if isinstance(given, tuple):
         if len(given) != 2 or given[0] != "table_wise":
@@ -489,126 +471,3 @@ def _cover(segments: list, rows: int) -> tuple:
     if at < rows:
         out.append((at, rows - at, None))
     return tuple(out)
-
-
-def plan(
-    collection: EmbeddingCollection,
-    mesh: Any,
-    axis: str,
-    *,
-    batch_size: int,
-    device_memory: int | None = None,
-    overrides: Mapping[str, Any] | None = None,
-    ids_per_step: Mapping[str, int] | None = None,
-    replicate_below: int = 1 << 20,
-    state_bytes_per_row: float = 4.0,
-) -> ShardingPlan:
-    """Choose a placement for every table, like TorchRec's planner.
-
-    Greedy, biggest table first (bytes with optimizer state):
-
-    * a table of at most ``replicate_below`` bytes is **data parallel** (a
-      replica costs little memory, and its lookups no communication);
-    * else **table-wise** on the device with the most free memory, if it fits
-      there (the estimated per-step communication of table-wise and
-      row-wise placement is the same, ``O(ids x dim)``, and a whole table
-      on one device keeps its lookups local to it);
-    * else **row-wise** (a chunk on every device), if the chunks fit;
-    * else ``ValueError``, saying what does not fit.
-
-    ``overrides`` (``{table: kind}`` or ``{table: ("table_wise", device)}``)
-    fixes those tables first; column-wise placement is chosen only there.
-
-    Args:
-      collection: the :class:`jaxslices.EmbeddingCollection`.
-      mesh: a ``jax.sharding.Mesh``.
-      axis: the mesh axis to place over.
-      batch_size: the global batch (examples per step), for the estimates.
-      device_memory: bytes each device may hold for tables and their state
-        (``None``: no limit).
-      overrides: tables whose kind is given.
-      ids_per_step: ``{table: ids per step}`` (default: ``batch_size`` per
-        feature reading the table).
-      replicate_below: the largest table (bytes) to replicate.
-      state_bytes_per_row: optimizer state per row (row-wise Adagrad: 4;
-        Adam: ``8 * dim``).
-
-    Returns:
-      A :class:`ShardingPlan`.
-
-    Example:
-      >>> import jax, numpy as np, jaxslices as js
-      >>> coll = js.EmbeddingCollection([js.TableConfig("small", 10, 4),
-      ...                                js.TableConfig("big", 100_000, 4)])
-      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
-      >>> p = js.plan(coll, mesh, "model", batch_size=32)
-      >>> {t: p.tables[t].kind for t in p.tables}
-      {'small': 'data_parallel', 'big': 'table_wise'}
-    """
-    where = "jaxslices.plan"
-    if axis not in mesh.axis_names:
-        raise ValueError(
-            f"{where}: `axis` must name an axis of the mesh {dict(mesh.shape)}, "
-            f"got {axis!r}."
-        )
-    n = int(mesh.shape[axis])
-    overrides = dict(overrides or {})
-    unknown = [t for t in overrides if t not in {c.name for c in collection.tables}]
-    if unknown:
-        raise ValueError(
-            f"{where}: overrides name no table of the collection: {unknown}."
-        )
-    limit = math.inf if device_memory is None else float(device_memory)
-    used = [0.0] * n
-    kinds: dict[str, Any] = {}
-
-    def take(t, kind, device=None):
-        m = _memory(t, kind, n, state_bytes_per_row)
-        if kind == "table_wise":
-            used[device] += m
-        else:
-            for k in range(n):
-                used[k] += m
-
-    for t in collection.tables:
-        if t.name in overrides:
-            kind, device = _kind_and_device(overrides[t.name], t, n, where)
-            if kind == "table_wise" and device is None:
-                device = int(np.argmin(used))
-            kinds[t.name] = ("table_wise", device) if kind == "table_wise" else kind
-            take(t, kind, device)
-    rest = sorted(
-        (t for t in collection.tables if t.name not in overrides),
-        key=lambda t: -_memory(t, "data_parallel", n, state_bytes_per_row),
-    )
-    for t in rest:
-        whole = _memory(t, "data_parallel", n, state_bytes_per_row)
-        if whole <= replicate_below and max(used) + whole <= limit:
-            kinds[t.name] = "data_parallel"
-            take(t, "data_parallel")
-            continue
-        k = int(np.argmin(used))
-        if used[k] + whole <= limit:
-            kinds[t.name] = ("table_wise", k)
-            take(t, "table_wise", k)
-            continue
-        part = _memory(t, "row_wise", n, state_bytes_per_row)
-        if max(used) + part <= limit:
-            kinds[t.name] = "row_wise"
-            take(t, "row_wise")
-            continue
-        raise ValueError(
-            f"{where}: table {t.name!r} ({whole} bytes with state; {part} per device "
-            f"row-wise) does not fit: the devices hold {[int(u) for u in used]} of "
-            f"device_memory={device_memory} bytes already. Use more devices, a "
-            "larger device_memory, or smaller tables."
-        )
-    return ShardingPlan(
-        collection,
-        mesh,
-        axis,
-        kinds,
-        ids_per_step=ids_per_step,
-        batch_size=batch_size,
-        state_bytes_per_row=state_bytes_per_row,
-    )

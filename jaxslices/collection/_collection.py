@@ -39,7 +39,7 @@ table-batched kernel; this module is the JAX counterpart:
   (a per-table learning-rate factor) and
   :meth:`EmbeddingCollection.add_decayed_weights_by_table` (per-table weight
   decay) are Optax transforms that find each gradient row's table from the
-  static row offsets (:mod:`jaxslices.per_table`).
+  static row offsets (:func:`jaxslices.transforms.scale_by_table`).
 
 Cost of one call per buffer: a gather of ``max_total`` rows, a sorted
 segment-sum into ``F * B`` bags (``F``: the input's features) and, backward,
@@ -59,9 +59,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..keyed import KeyedJaggedIds
+from ..transforms import _per_table
 from . import _buffers, _pooling
 from ._buffers import Buffer
-from .keyed import KeyedJaggedIds
 
 __all__ = ["TableConfig", "EmbeddingCollection", "Buffer"]
 
@@ -464,18 +465,14 @@ class EmbeddingCollection:
             )
 
     def scale_by_table(self, factors: Mapping[str, Any], *, default: Any = 1.0) -> Any:
-        """See :func:`jaxslices.per_table.scale_by_table`."""
-        from .per_table import scale_by_table
-
-        return scale_by_table(self, factors, default=default)
+        """See :func:`jaxslices.transforms.scale_by_table`."""
+        return _per_table.scale_by_table(self, factors, default=default)
 
     def add_decayed_weights_by_table(
         self, rates: Mapping[str, Any], *, default: Any = 0.0
     ) -> Any:
-        """See :func:`jaxslices.per_table.add_decayed_weights_by_table`."""
-        from .per_table import add_decayed_weights_by_table
-
-        return add_decayed_weights_by_table(self, rates, default=default)
+        """See :func:`jaxslices.transforms.add_decayed_weights_by_table`."""
+        return _per_table.add_decayed_weights_by_table(self, rates, default=default)
 
 
 # ------------------------------------------------------------------ internals

@@ -9,13 +9,14 @@ arrays of one dtype holding several tables) and, per table, a
 for table row ``i`` and piece ``j < buffer.pieces``. The collection's own
 layout (:func:`stacked`) puts the tables of one ``(dim, dtype)`` one after
 the other (``chunk = rows``: the row is ``base + i``, one piece). A sharding
-plan (:mod:`jaxslices.plans`) makes others: a row-wise table split in chunks
+plan (:mod:`jaxslices.sharding`) makes others: a row-wise table split in chunks
 of ``chunk`` rows, one per shard region of ``stride`` rows; a column-wise
 table stored as ``pieces`` narrower rows, piece ``j`` in region ``j``.
 
 ``Buffer.segments`` cover the buffer's rows in order, each ``(start,
 length, table or None)``: the table a row belongs to (``None``: unused
-rows), which the per-table transforms (:mod:`jaxslices.per_table`) look up.
+rows), which the per-table transforms
+(:func:`jaxslices.transforms.scale_by_table`) look up.
 """
 
 from __future__ import annotations
