@@ -62,21 +62,39 @@ _SHARDED = threading.local()
 
 
 @contextmanager
-def rows_sharded_over(axis: str) -> Iterator[None]:
+def rows_sharded_over(axis: str, shards: int | None = None) -> Iterator[None]:
     """While tracing a per-shard optimizer step: slices hold this shard's rows.
 
-    :func:`jaxslices.sharding.sharded_update` with ``routing="all_to_all"`` runs the
-    optimizer inside ``shard_map`` on the rows each shard owns; a quantity
-    summed over all rows (the global norm of ``clip_by_global_norm``, the
-    non-finite count of ``apply_if_finite``) must then be summed over the
-    shards too (:func:`sum_over_shards`).
+    :func:`jaxslices.sharding.sharded_update` and
+    :meth:`jaxslices.sharding.ShardingPlan.update` with all-to-all routing
+    run the optimizer inside ``shard_map`` on the rows each shard owns
+    (``shards`` of them over ``axis``, shard ``k`` holding rows ``[k * R,
+    (k + 1) * R)``); a quantity summed over all rows (the global norm of
+    ``clip_by_global_norm``, the non-finite count of ``apply_if_finite``)
+    must then be summed over the shards too (:func:`sum_over_shards`), and a
+    transform that needs a row's place in the whole table (the per-table
+    ones) finds it with :func:`shard_rows`.
     """
-    previous = getattr(_SHARDED, "axis", None)
-    _SHARDED.axis = axis
+    previous = getattr(_SHARDED, "axis", None), getattr(_SHARDED, "shards", None)
+    _SHARDED.axis, _SHARDED.shards = axis, shards
     try:
         yield
     finally:
-        _SHARDED.axis = previous
+        _SHARDED.axis, _SHARDED.shards = previous
+
+
+def shard_rows(num_rows: int) -> tuple[int, Any] | None:
+    """Inside :func:`rows_sharded_over`: ``(R, first)`` of a table of ``num_rows``.
+
+    ``R = num_rows / shards``, the rows each shard holds, and ``first``, the
+    table row of this shard's row 0 (traced: ``axis_index * R``). ``None``
+    elsewhere, or when ``num_rows`` does not split over the shards.
+    """
+    axis, shards = getattr(_SHARDED, "axis", None), getattr(_SHARDED, "shards", None)
+    if axis is None or not shards or num_rows % shards:
+        return None
+    rows = num_rows // shards
+    return rows, jax.lax.axis_index(axis) * rows
 
 
 def sum_over_shards(x: Any) -> Any:

@@ -125,11 +125,17 @@ def lookup(
     weights: Any,
     check_ids: bool,
     batch_major: bool,
+    gathers: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, tuple[list[str], jax.Array]], dict[str, jax.Array]]:
     """``({buffer: (its pooled features, pooled array)}, {feature: sequence})``.
 
     The pooled features of a buffer are in the collection's order.
+    ``gathers``: ``{buffer name: gather(table, rows, batch_dim)}`` for the
+    buffers a sharding plan routes (:func:`jaxslices.sharding._routing.gather`);
+    the others are read with :func:`jaxslices.embedding_lookup` (or the
+    native bag kernel).
     """
+    gathers = dict(gathers or {})
     if isinstance(features, KeyedJaggedIds):
         if padding_id is not None or weights is not None:
             raise ValueError(
@@ -137,10 +143,18 @@ def lookup(
                 "dict of [B, L] ids); a KeyedJaggedIds has no padding and carries "
                 "its own weights."
             )
-        return _jagged(coll, layout, params, features, check_ids, batch_major)
+        return _jagged(coll, layout, params, features, check_ids, batch_major, gathers)
     if isinstance(features, Mapping):
         return _padded(
-            coll, layout, params, features, padding_id, weights, check_ids, batch_major
+            coll,
+            layout,
+            params,
+            features,
+            padding_id,
+            weights,
+            check_ids,
+            batch_major,
+            gathers,
         )
     raise TypeError(
         f"{WHERE}: `features` must be a jaxslices.KeyedJaggedIds or a dict "
@@ -229,9 +243,17 @@ def _row_ids(values, ok, spec, key, b, members):
     return jnp.where(ok, row, jnp.asarray(b.rows, idx))
 
 
-def _gather_rows(table, gids, b):
-    """The one gather of a buffer; ``[..., width]`` rows."""
-    rows = embedding_lookup(table, gids)
+def _gather_rows(table, gids, b, gather=None, batch_dim=0):
+    """The one gather of a buffer; ``[..., width]`` rows.
+
+    ``gather``: a plan's routed gather of the buffer (``batch_dim``: the
+    dimension of ``gids`` split over the devices); default
+    :func:`jaxslices.embedding_lookup`.
+    """
+    if gather is None:
+        rows = embedding_lookup(table, gids)
+    else:
+        rows = gather(table, gids, batch_dim)
     if b.pieces > 1:
         rows = rows.reshape(*rows.shape[:-2], b.width)
     return rows
@@ -259,7 +281,9 @@ def _bag_scale(combiners, counts, dtype, feature_axis: int):
 # ------------------------------------------------------------------- padded
 
 
-def _padded(coll, lay, params, features, padding_id, weights, check_ids, batch_major):
+def _padded(
+    coll, lay, params, features, padding_id, weights, check_ids, batch_major, gathers
+):
     _missing(coll, features)
     spec = Keys.of(coll, lay, tuple(coll.features))
     arrs = []
@@ -325,7 +349,8 @@ def _padded(coll, lay, params, features, padding_id, weights, check_ids, batch_m
         key_b = arrange(np.broadcast_to(sel.reshape(-1, 1, 1), (len(sel), 1, 1)))
         gids = _row_ids(arrange(ids[sel]), arrange(counted[sel]), spec, key_b, b, sel)
         gids = jax.lax.optimization_barrier(gids)
-        if not seq and _native(params[b.name], gids, b):
+        gather = gathers.get(b.name)
+        if not seq and gather is None and _native(params[b.name], gids, b):
             wts = None if w is None else arrange(counted[sel] * w[sel])
             scale = None
             if any(spec.combiner[i] in ("mean", "sqrtn") for i in pos):
@@ -339,9 +364,8 @@ def _padded(coll, lay, params, features, padding_id, weights, check_ids, batch_m
                 out = out.reshape(*gids.shape[:2], b.width)
                 pooled[b.name] = ([spec.keys[i] for i in pos], out)
                 continue
-        rows = _gather_rows(
-            params[b.name], gids, b
-        )  # [F_b, B, L, width] or [B, F_b, ...]
+        # [F_b, B, L, width] or [B, F_b, ...]: the batch is dim 1 or 0
+        rows = _gather_rows(params[b.name], gids, b, gather, 0 if batch_major else 1)
         n = len(pos)
         if n:
             mine = jax.lax.slice_in_dim(rows, 0, n, axis=fa) if seq else rows
@@ -381,7 +405,7 @@ def _seq_overflow_error(n, key, *, keys, seq_len):
     )
 
 
-def _jagged(coll, lay, params, features, check_ids, batch_major):
+def _jagged(coll, lay, params, features, check_ids, batch_major, gathers):
     _missing(coll, features.keys)
     values = _as_ids(features.values, "the ids")
     spec = Keys.of(coll, lay, features.keys)
@@ -419,7 +443,8 @@ def _jagged(coll, lay, params, features, check_ids, batch_major):
         else:
             out_id = jnp.where(tgt >= 0, tgt * B + bag, n_out)
         gids, out_id = jax.lax.optimization_barrier((gids, out_id))
-        if not seq and order and _native(params[b.name], gids, b):
+        gather = gathers.get(b.name)
+        if not seq and order and gather is None and _native(params[b.name], gids, b):
             scale = _jagged_scale(
                 ok, w, out_id, n_out, order, spec, features, batch_major
             )
@@ -432,7 +457,7 @@ def _jagged(coll, lay, params, features, check_ids, batch_major):
                     out.reshape(*shape, b.width),
                 )
                 continue
-        rows = _gather_rows(params[b.name], gids, b)
+        rows = _gather_rows(params[b.name], gids, b, gather)
         if order:
             pooled[b.name] = (
                 [spec.keys[i] for i in order],

@@ -1,10 +1,28 @@
 """The cost model of sharding plans: memory and communication per device.
 
 What the planner (:mod:`._planner`) compares and what a
-:class:`~jaxslices.sharding.TablePlan` reports: a table's bytes on the
-device that holds most of it (with its optimizer state), and the bytes a
-device sends and receives per step (forward and backward) for the ids the
-table sees.
+:class:`~jaxslices.sharding.TablePlan` reports, per device and step, with
+``N`` the ids a table (or buffer) sees in the global batch, ``n`` the
+devices, ``R = dim x itemsize + 4`` the bytes of a row and its int32 id,
+``c`` the all-to-all capacity (slots per destination):
+
+* memory: the table's bytes on the device that holds most of it, with its
+  optimizer state (``state_bytes_per_row`` per row);
+* data parallel: the gradient rows are all-gathered, ``N x R``;
+* sharded, ``"masked"`` routing (the partitioner's gather, every device
+  sees the global batch): the ids, the forward's rows and the backward's
+  gradient rows, ``2 N R`` (plus ``4 N``), and ``N`` rows gathered;
+* sharded, ``"all_to_all"``: ids and rows to the owners and back in the
+  forward, ids and summed gradient rows to the owners in the update,
+  ``2 n c R``, and ``n c`` rows gathered. Without a capacity (``c`` the
+  device's whole part of the batch, ``N / n``) this is the masked figure.
+
+The bytes are what ``tools/hlo.py`` counts on the compiled step (each
+collective's larger side); ``benchmarks/plan_scale_bench.py`` checks the
+model against it. Routing is chosen per buffer by ``bytes + LATENCY_BYTES x
+collectives``: the all-to-all routing runs more collectives (two exchanges
+each way and its capacity checks), so where the batch is tiny or the devices
+few, masked wins.
 """
 
 from __future__ import annotations
@@ -14,7 +32,22 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["comm_bytes", "itemsize", "memory_bytes"]
+__all__ = [
+    "COLLECTIVES",
+    "LATENCY_BYTES",
+    "comm_bytes",
+    "gathered_rows",
+    "itemsize",
+    "memory_bytes",
+    "routing_cost",
+]
+
+#: What one collective costs beyond its bytes, in bytes: a few microseconds
+#: of latency at tens of GB/s.
+LATENCY_BYTES = 64 * 1024
+
+#: Collectives per step and buffer of each routing (forward and update).
+COLLECTIVES = {"masked": 4, "all_to_all": 6}
 
 
 def itemsize(t: Any) -> int:
@@ -30,14 +63,51 @@ def memory_bytes(t: Any, kind: str, n: int, state_bytes_per_row: float) -> int:
     return int(t.rows * per_row)
 
 
-def comm_bytes(t: Any, kind: str, ids: int, n: int) -> int:
+def _slots(ids: float, n: int, capacity: int | None) -> float:
+    """Slots a device sends per destination: the capacity, or its whole part."""
+    return max(ids / max(n, 1), 1.0) if capacity is None else float(capacity)
+
+
+def comm_bytes(
+    t: Any,
+    kind: str,
+    ids: int,
+    n: int,
+    routing: str = "masked",
+    capacity: int | None = None,
+    buffer_ids: int | None = None,
+) -> int:
     """Bytes per device per step for ``ids`` looked-up ids in the global batch.
 
-    Data parallel: the gradient rows are all-gathered (``ids x dim``, plus
-    their int32 ids). Sharded kinds: also the forward's rows (the devices
-    that own them send them) and the ids themselves.
+    ``routing``, ``capacity``: the table's buffer's (sharded kinds);
+    ``buffer_ids``: the rows the buffer reads per step, of which the table's
+    share is counted (an all-to-all's capacity is the buffer's).
     """
-    row = t.dim * itemsize(t) + 4
+    pieces = n if kind == "column_wise" else 1
+    row = (t.dim // pieces) * itemsize(t) + 4
     if kind == "data_parallel":
         return int(ids * row)
-    return int(2 * ids * row + 4 * ids)
+    rows = ids * pieces  # a column-wise id reads one piece on every device
+    if routing == "all_to_all":
+        total = max(buffer_ids or rows, 1)
+        return int(rows / total * 2 * n * _slots(total, n, capacity) * row)
+    return int(2 * rows * row + 4 * ids)
+
+
+def gathered_rows(ids: int, n: int, routing: str, capacity: int | None) -> int:
+    """Table rows one device gathers per step for a sharded buffer's ``ids``."""
+    if routing == "all_to_all":
+        return int(n * _slots(ids, n, capacity))
+    return int(ids)
+
+
+def routing_cost(
+    ids: int, n: int, row_bytes: int, routing: str, capacity: int | None
+) -> float:
+    """What the planner minimises for one sharded buffer: bytes + latency."""
+    row = row_bytes + 4
+    if routing == "all_to_all":
+        moved = 2 * n * _slots(ids, n, capacity) * row
+    else:
+        moved = 2 * ids * row + 4 * ids
+    return moved + COLLECTIVES[routing] * LATENCY_BYTES

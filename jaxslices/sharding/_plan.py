@@ -13,45 +13,61 @@ the mesh axis ``axis``:
 * ``"column_wise"``: the table's columns split in ``n`` pieces of
   ``dim / n``, one per device (``dim`` must divide).
 
-How: the plan lays the tables out in buffers (:mod:`jaxslices._buffers`) —
-data-parallel tables stacked in replicated buffers as on one device;
-row-wise and table-wise tables of one ``(dim, dtype)`` in one buffer whose
-rows are sharded over ``axis``, device ``k`` holding region ``k`` (chunk ``k``
-of every row-wise table, then its table-wise tables); column-wise tables in a
-buffer of ``dim / n`` wide rows, piece ``j`` of every row in region ``j``.
-Lookups are the collection's (one gather per buffer, pooled as on one
-device) with each id mapped to its buffer row; under ``jax.jit`` the
-partitioner serves a gather from a row-sharded buffer with each device
-reading the rows it owns, and every jaxslices scatter lays the gradient rows
-out first (:func:`jaxslices.sharding.replicate_rows`). So per step a device
-moves ``O(ids in the global batch x dim)`` bytes, never a table: the tests
-read the compiled HLO's collectives (``tools/hlo.py``).
+How: the plan lays the tables out in buffers
+(:mod:`jaxslices.collection._buffers`): data-parallel tables stacked in
+replicated buffers as on one device; row-wise and table-wise tables of one
+``(dim, dtype)`` in one buffer whose rows are sharded over ``axis``, device
+``k`` holding region ``k`` (chunk ``k`` of every row-wise table, then its
+table-wise tables); column-wise tables in a buffer of ``dim / n`` wide rows,
+piece ``j`` of every row in region ``j``. Lookups are the collection's (one
+gather per buffer, pooled as on one device) with each id mapped to its
+buffer row; a sharded buffer's gather is routed (:mod:`._routing`, the
+engine :func:`jaxslices.sharding.sharded_lookup` uses for one table):
 
-:func:`plan` chooses a kind per table from its size, its dim, the device
-memory and an estimate of the per-step communication, like TorchRec's
+* ``"all_to_all"`` (TorchRec's): each device's ids, deduplicated, go to the
+  devices that own their rows in buffers of a static capacity, the owners
+  gather, the rows come back and the requester pools them; in
+  :meth:`ShardingPlan.update` the gradient rows take the reverse route and
+  the optimizer runs where the rows live. A device's work and bytes follow
+  its own batch.
+* ``"masked"``: the partitioner's gather (every device sees the global
+  batch's ids and serves the rows it owns) and its scatters; ``O(ids in the
+  global batch x dim)`` per device, no capacity.
+
+The plan chooses per buffer by the cost model (:mod:`._cost`), or takes the
+routing given; no step moves a table (``tools/hlo.py`` reads the compiled
+collectives in the tests).
+
+:func:`plan_collection` chooses a kind per table from its size, its dim, the
+device memory and an estimate of the per-step communication, like TorchRec's
 planner; ``overrides`` fixes a table's kind (and, table-wise, its device).
 A :class:`ShardingPlan` turns one device's params into the plan's
 (:meth:`ShardingPlan.shard`) and back (:meth:`ShardingPlan.unshard`), looks
-up like the collection (:meth:`ShardingPlan.__call__`, :meth:`concat`) and
-gives the per-table transforms for its layout. Every plan trains to one
-device's numbers (``tests/scale/test_plans.py``).
+up like the collection (:meth:`ShardingPlan.__call__`, :meth:`concat`),
+trains (:meth:`ShardingPlan.update`) and gives the per-table transforms for
+its layout. Every plan trains to one device's numbers
+(``tests/scale/test_plans.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .. import capacity as _capacity
 from ..collection import EmbeddingCollection, TableConfig, _buffers, _pooling
+from ..keyed import KeyedJaggedIds
 from ..transforms import _per_table
-from . import _cost
+from . import _cost, _routing
 
 __all__ = ["KINDS", "ShardingPlan", "TablePlan", "kind_and_device"]
 
@@ -71,7 +87,11 @@ class TablePlan:
       memory_bytes: the table's bytes on the device that holds most of it
         (with optimizer state, ``state_bytes_per_row`` per row).
       comm_bytes: estimated bytes per device per step (forward and backward),
-        from the ids the table sees per step.
+        from the ids the table sees per step (:mod:`jaxslices.sharding._cost`).
+      routing: the routing of the table's buffer (``"masked"`` or
+        ``"all_to_all"``); ``None`` for a data-parallel table.
+      capacity: ``"all_to_all"``: the buffer's slots per destination
+        (``None``: never overflows).
     """
 
     table: str
@@ -79,20 +99,47 @@ class TablePlan:
     device: int | None
     memory_bytes: int
     comm_bytes: int
+    routing: str | None = None
+    capacity: int | None = None
 
 
 class ShardingPlan:
     """A placement of every table of a collection over one mesh axis.
 
-    Build one with :func:`plan` (or directly, from ``{table: kind}`` or
-    ``{table: ("table_wise", device)}``).
+    Build one with :func:`plan_collection` (or directly, from ``{table:
+    kind}`` or ``{table: ("table_wise", device)}``).
+
+    The tables live in buffers (:attr:`buffers`): data-parallel tables
+    stacked in replicated buffers; row-wise and table-wise tables of one
+    ``(dim, dtype)`` in one buffer whose rows are split over ``axis`` (device
+    ``k`` holding chunk ``k`` of every row-wise table and its own table-wise
+    ones); column-wise tables as ``dim / n`` wide pieces, piece ``j`` on
+    device ``j``. Each sharded buffer is reached by a routing
+    (:attr:`routing`, :mod:`jaxslices.sharding._routing`): ``"all_to_all"``,
+    TorchRec's (each device's own ids, deduplicated, to their owners and the
+    rows back; a static capacity per destination, :attr:`capacity`), or
+    ``"masked"`` (the partitioner's gather, every device seeing the global
+    batch). Train with :meth:`update`, which sends the gradients the reverse
+    way and runs the optimizer where the rows live.
 
     Args:
       collection: the :class:`jaxslices.EmbeddingCollection`.
       mesh: a ``jax.sharding.Mesh``.
-      axis: the mesh axis to place over (the batch is split over it too).
+      axis: the mesh axis to place over (the batch is split over the whole
+        mesh).
       kinds: ``{table: kind}``; a table-wise table may give its device,
         ``("table_wise", k)`` (default: round robin).
+      routing: ``"masked"`` or ``"all_to_all"`` for every sharded buffer, a
+        dict ``{buffer or table name: routing}`` (a table stands for its
+        buffer), or ``None``: each buffer's cheaper one by the cost model
+        (:mod:`jaxslices.sharding._cost`), given its capacity.
+      capacity: the all-to-all capacity, an int for every sharded buffer or
+        a dict like ``routing``'s; a buffer without one is estimated from
+        ``samples`` (:meth:`estimate_capacity`), or is ``None`` (never
+        overflows, as many bytes as masked).
+      samples: sample batches, as the step receives them (padded dicts of
+        ``[B, L]`` ids, or ``KeyedJaggedIds``), to estimate capacities from.
+      padding_id: the padded samples' padding id (it counts as no row).
       ids_per_step: ``{table: ids in the global batch}`` for the estimates
         (default: 1 per example of ``batch_size`` per feature).
       batch_size: the global batch, for the default ``ids_per_step``.
@@ -108,6 +155,8 @@ class ShardingPlan:
       >>> p = js.sharding.ShardingPlan(coll, mesh, "model", kinds)
       >>> {k: v.shape for k, v in p.shard(coll.init(jax.random.key(0))).items()}
       {'dim4_float32': (8, 4), 'dim4_float32_sharded': (12, 4)}
+      >>> p.routing  # one device: nothing to route
+      {'dim4_float32_sharded': 'masked'}
     """
 
     def __init__(
@@ -117,6 +166,10 @@ class ShardingPlan:
         axis: str,
         kinds: Mapping[str, Any],
         *,
+        routing: Any = None,
+        capacity: Any = None,
+        samples: Any = None,
+        padding_id: int | None = None,
         ids_per_step: Mapping[str, int] | None = None,
         batch_size: int = 1,
         state_bytes_per_row: float = 4.0,
@@ -153,24 +206,97 @@ class ShardingPlan:
             if kind == "table_wise" and device is None:
                 device, robin = robin % n, robin + 1
             placed[t.name] = (kind, device)
-        self.tables = {
-            t.name: TablePlan(
-                t.name,
-                placed[t.name][0],
-                placed[t.name][1],
-                _cost.memory_bytes(t, placed[t.name][0], n, state_bytes_per_row),
-                _cost.comm_bytes(t, placed[t.name][0], ids[t.name], n),
-            )
-            for t in collection.tables
-        }
         self.layout = _plan_layout(collection, placed, n)
         self.buffers = self.layout.buffers
+        sharded = [b for b in self.buffers if b.sharded]
+        # rows each sharded buffer reads per step (a column piece is a row)
+        reads = {b.name: sum(ids[t] for t in b.tables) * b.pieces for b in sharded}
+        caps = self._per_buffer(capacity, "capacity", where)
+        for c in caps.values():
+            _routing.check_routing("all_to_all", where, c)
+        if samples is not None:
+            todo = [b.name for b in sharded if caps.get(b.name) is None]
+            caps.update(
+                self.estimate_capacity(samples, padding_id=padding_id, buffers=todo)
+            )
+        given = self._per_buffer(routing, "routing", where)
+        self.capacity: dict[str, int | None] = {}
+        self.routing: dict[str, str] = {}
+        for b in sharded:
+            c = caps.get(b.name)
+            r = given.get(b.name)
+            if r is None:
+                row = b.dim * int(np.dtype(b.dtype).itemsize)
+                r = min(
+                    _routing.ROUTINGS,
+                    key=lambda k: (
+                        _cost.routing_cost(reads[b.name], n, row, k, c),
+                        k != "masked",
+                    ),
+                )
+            _routing.check_routing(r, where, c)
+            self.routing[b.name], self.capacity[b.name] = r, c
+        self._routes = {
+            b.name: _routing.Route(
+                mesh,
+                axis,
+                self.routing[b.name],
+                self.capacity[b.name],
+                f"ShardingPlan (buffer {b.name!r})",
+                fix=(
+                    "Give the plan capacity={"
+                    + repr(b.name)
+                    + ": {needed}} or more (or estimate it from samples)"
+                ),
+            )
+            for b in sharded
+        }
+        buffer_of = {t: b for b in self.buffers for t in b.tables}
+        tables = {}
+        for t in collection.tables:
+            kind, device = placed[t.name]
+            b = buffer_of[t.name]
+            r, c = self.routing.get(b.name), self.capacity.get(b.name)
+            comm = _cost.comm_bytes(
+                t, kind, ids[t.name], n, r or "masked", c, reads.get(b.name)
+            )
+            memory = _cost.memory_bytes(t, kind, n, state_bytes_per_row)
+            tables[t.name] = TablePlan(t.name, kind, device, memory, comm, r, c)
+        self.tables = tables
+
+    def _per_buffer(self, given: Any, what: str, where: str) -> dict[str, Any]:
+        """``{sharded buffer: value}`` from one value, or a dict by buffer or table."""
+        sharded = {b.name: b for b in self.buffers if b.sharded}
+        if given is None:
+            return {}
+        if not isinstance(given, Mapping):
+            return dict.fromkeys(sharded, given)
+        buffer_of = {t: b.name for b in self.buffers for t in b.tables}
+        out: dict[str, Any] = {}
+        for key, value in given.items():
+            name = key if key in sharded else buffer_of.get(key)
+            if name not in sharded:
+                raise ValueError(
+                    f"{where}: `{what}` names {key!r}, which is no sharded buffer "
+                    f"({list(sharded)}) nor a table of one."
+                )
+            if name in out and out[name] != value:
+                raise ValueError(
+                    f"{where}: `{what}` gives buffer {name!r} two values, "
+                    f"{out[name]!r} and {value!r} (its tables share it)."
+                )
+            out[name] = value
+        return out
 
     # -- what the plan is -----------------------------------------------------
     def __repr__(self) -> str:
         kinds = {k: sum(p.kind == k for p in self.tables.values()) for k in KINDS}
         kinds = ", ".join(f"{v} {k}" for k, v in kinds.items() if v)
-        return f"ShardingPlan({kinds} over {self.devices} devices of {self.axis!r})"
+        routed = sorted(set(self.routing.values()))
+        how = f", routed {'/'.join(routed)}" if routed else ""
+        return (
+            f"ShardingPlan({kinds} over {self.devices} devices of {self.axis!r}{how})"
+        )
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
@@ -313,8 +439,110 @@ class ShardingPlan:
             weights=weights,
             check_ids=check_ids,
             batch_major=batch_major,
+            gathers=self._gathers(),
         )
         return {**seqs, **_pooling.per_feature(pooled, batch_major)}
+
+    def _gathers(self) -> dict[str, Any]:
+        """The routed gathers of the buffers routed all-to-all."""
+        return {
+            name: functools.partial(_gather, route=route)
+            for name, route in self._routes.items()
+            if route.routing == "all_to_all"
+        }
+
+    # -- training ---------------------------------------------------------------
+    def update(
+        self,
+        tx: optax.GradientTransformation,
+        grads: Any,
+        state: Any,
+        params: Any,
+    ) -> tuple[Any, Any]:
+        """One optimizer step: ``tx.update`` then ``apply_updates``, on the owners.
+
+        Call it under ``jax.jit`` with the gradients of
+        :func:`jaxslices.value_and_grad` of a loss that reads the plan's params
+        through the plan (``params`` may hold them anywhere, under their
+        buffer names, e.g. ``{"emb": plan_params, "w": ...}``; other leaves
+        are replicated). With every buffer routed ``"masked"`` it is
+        ``tx.update`` + :func:`jaxslices.apply_updates` under the partitioner
+        (any Optax transform). With an ``"all_to_all"`` buffer it runs in
+        ``shard_map``: each device sums its gradient rows of such a buffer
+        per row and sends them to their owners (the lookup's route,
+        reversed), a masked buffer's owners take their rows of every
+        device's, a replicated buffer gets every device's rows, and the
+        optimizer runs on each device on the rows it owns (every jaxslices
+        transform; :func:`jaxslices.clip_by_global_norm` and
+        :func:`jaxslices.apply_if_finite` sum over the shards; the native
+        kernels run per device). The state is laid out like the params
+        (:func:`jaxslices.sharding.sharded_init`).
+
+        Returns:
+          ``(new_params, new_state)``.
+        """
+        by_name = {b.name: b for b in self.buffers}
+        found = jax.tree_util.tree_flatten_with_path(params)[0]
+        routes = []
+        for path, leaf in found:
+            names = [_key_name(e) for e in path]
+            name = next(
+                (k for k in reversed(names) if isinstance(k, str) and k in by_name),
+                None,
+            )
+            b = by_name.get(name)
+            shape = tuple(getattr(leaf, "shape", ()))
+            routes.append(
+                self._routes.get(b.name) if b is not None and shape == b.shape else None
+            )
+        return _routing.update(tx, grads, state, params, routes, "ShardingPlan.update")
+
+    def estimate_capacity(
+        self,
+        samples: Any,
+        *,
+        padding_id: int | None = None,
+        margin: float = 1.25,
+        multiple: int = 8,
+        buffers: Any = None,
+    ) -> dict[str, int]:
+        """All-to-all capacities of the sharded buffers from sample batches.
+
+        Replays the routing on host, as the step splits the batch: padded
+        ids ``{feature: [B, L]}`` by examples over the mesh's devices, a
+        ``KeyedJaggedIds``'s slots in equal parts; each device's ids become
+        buffer rows, are deduplicated and counted per owner
+        (:func:`jaxslices.capacity.estimate_all_to_all_capacity`, with
+        ``margin`` and ``multiple``).
+
+        Args:
+          samples: sample batches (padded dicts or ``KeyedJaggedIds``).
+          padding_id: the padded ids' padding id.
+          margin: the factor on the largest count seen.
+          multiple: round up to a multiple of this.
+          buffers: the buffers to estimate (default: every sharded one).
+
+        Returns:
+          ``{buffer name: capacity}``, to pass as ``capacity``.
+        """
+        names = [b.name for b in self.buffers if b.sharded]
+        names = names if buffers is None else [n for n in names if n in buffers]
+        per = {name: [] for name in names}
+        for sample in samples:
+            rows = _host_rows(self, sample, padding_id, self.mesh.size)
+            for name in names:
+                per[name].append(rows[name])
+        return {
+            name: _capacity.estimate_all_to_all_capacity(
+                per[name],
+                num_rows=self.layout.buffer(name).rows,
+                num_shards=self.devices,
+                num_devices=self.mesh.size,
+                margin=margin,
+                multiple=multiple,
+            )
+            for name in names
+        }
 
     # -- per-table hyperparameters -------------------------------------------
     def scale_by_table(self, factors: Mapping[str, Any], *, default: Any = 1.0):
@@ -328,6 +556,75 @@ class ShardingPlan:
         return _per_table.add_decayed_weights_by_table(
             _PlanView(self), rates, default=default
         )
+
+
+def _gather(table, gids, batch_dim, *, route):
+    return _routing.gather(table, gids, route, batch_dim)
+
+
+def _key_name(entry: Any) -> Any:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return None
+
+
+def _host_rows(
+    plan: ShardingPlan, sample: Any, padding_id: int | None, devices: int
+) -> dict[str, np.ndarray]:
+    """Per sharded buffer, a sample's buffer rows as the step splits them.
+
+    Padded ids: ``[B, ids of the buffer's features per example]`` (the
+    batch splits by examples); a ``KeyedJaggedIds``: ``[slots, pieces]``,
+    padded to a multiple of ``devices`` (its slots split in equal parts).
+    ``-1`` where a slot reads no row (padding, out of its table's range,
+    another buffer's feature).
+    """
+    coll = plan.collection
+    sharded = [b for b in plan.buffers if b.sharded]
+    out = {}
+    if isinstance(sample, KeyedJaggedIds):
+        values = np.asarray(sample.values).astype(np.int64)
+        offsets = np.asarray(sample.offsets)
+        n, batch = values.shape[0], max(sample.batch_size, 1)
+        slot = np.arange(n)
+        bag = np.searchsorted(offsets, slot, side="right") - 1
+        key = np.where(slot < offsets[-1], bag // batch, -1)
+        for b in sharded:
+            rows = np.full((n + (-n % devices), b.pieces), -1, np.int64)
+            for i, k in enumerate(sample.keys):
+                if k not in coll.features or coll.table_of(k) not in b.tables:
+                    continue
+                t = coll.table_config(coll.table_of(k))
+                sel = (key == i) & (values >= 0) & (values < t.rows)
+                where = plan.layout.placement(t.name)
+                for j in range(b.pieces):
+                    rows[np.flatnonzero(sel), j] = where.rows_of(values[sel], j)
+            out[b.name] = rows
+        return out
+    if not isinstance(sample, Mapping):
+        raise TypeError(
+            "ShardingPlan.estimate_capacity: a sample is a dict {feature: [B, L] "
+            f"ids}} or a KeyedJaggedIds, got {type(sample).__name__}."
+        )
+    for b in sharded:
+        parts = []
+        for f in coll.features:
+            t = coll.table_config(coll.table_of(f))
+            if t.name not in b.tables:
+                continue
+            ids = np.asarray(sample[f]).astype(np.int64)
+            ids = ids.reshape(ids.shape[0], -1)
+            ok = (ids >= 0) & (ids < t.rows)
+            if padding_id is not None:
+                ok &= ids != padding_id
+            where = plan.layout.placement(t.name)
+            r = np.full((*ids.shape, b.pieces), -1, np.int64)
+            for j in range(b.pieces):
+                r[ok, j] = where.rows_of(ids[ok], j)
+            parts.append(r.reshape(ids.shape[0], -1))
+        out[b.name] = np.concatenate(parts, axis=1)
+    return out
 
 
 class _PlanView:

@@ -1,40 +1,39 @@
-"""Sparse gradients over a device mesh: data-parallel and row-sharded tables.
+"""The routing engine: lookups and gradients reach the devices that own the rows.
 
-JAX's own SPMD is the engine (``jax.jit`` with ``NamedSharding``,
-``shard_map``, ``jax.distributed``); this module makes sparse gradients stay
-sparse across it. Per step, communication is O(rows in the batch x D), never
-O(V x D). See ``docs/scale_out.md``.
+One engine serves every row-sharded buffer: a table placed with
+:func:`~jaxslices.sharding.shard_rows` (a plan of one), and the sharded
+buffers of a :class:`~jaxslices.sharding.ShardingPlan` (row-wise,
+table-wise and column-wise tables, device ``k`` owning rows ``[k * R, (k + 1)
+* R)`` of the buffer). A :class:`Route` says how one buffer is reached:
 
-* **Data parallel** (tables replicated, batch sharded), under plain ``jax.jit``:
-  nothing to call. Every jaxslices scatter into a table or its optimizer state
-  (:func:`jaxslices.apply_updates`, the transforms' state updates) goes through
-  :func:`replicate_rows`, which asks the partitioner for the slices' rows on
-  every device (an all-gather of ``N x D``) before the scatter. Without it XLA
-  scatters each device's rows into a local zero table and all-reduces the
-  ``V x D`` tables.
-* **Row-sharded tables** (model parallel): the table and its optimizer state
-  are sharded by rows over a mesh axis (:func:`shard_rows`,
-  :func:`sharded_init`). :func:`sharded_lookup` and :func:`sharded_update` take
-  the routing scheme as an argument:
+* ``"masked"``: every device sees the ids of the whole global batch and
+  serves the rows it owns (what ``jax.jit``'s partitioner does with a gather
+  from a row-sharded array); the optimizer step is the partitioner's too.
+  No capacity; ``O(global batch x D)`` per device.
+* ``"all_to_all"`` (TorchRec's input and output distribution): inside
+  ``shard_map`` each device deduplicates the rows its own part of the batch
+  asks for, sends each to its owner in a fixed buffer of ``capacity`` slots
+  per destination (:func:`jax.lax.all_to_all`), the owner gathers them from
+  its shard, and the rows come back by the reverse all-to-all; the requester
+  pools them (:mod:`jaxslices.collection._pooling`). The gradient is the
+  batch's, with the requester's ids; the optimizer step (:func:`update`)
+  sums each device's gradient rows per row and sends them the same way to
+  their owners, where the optimizer runs on the rows each shard owns (every
+  jaxslices transform; the native kernels run per device there). Per device
+  ``O(devices x capacity x D)``: with a capacity sized from the data
+  (:mod:`jaxslices.capacity`) it follows the device's own batch, not the
+  global one. More distinct rows for one owner than ``capacity`` raise on
+  every device (:func:`jaxslices._errors.raise_if`); nothing is dropped.
 
-  - ``"masked"``: every device sees the rows of the whole global batch and
-    serves the ones it owns (what GSPMD does with a row-sharded gather). No
-    capacity limit; O(global batch x D) per device.
-  - ``"all_to_all"``: each device deduplicates its local ids and sends them
-    (and, for the update, their summed gradient rows) to the owner shard in a
-    fixed-size buffer of ``capacity`` slots per destination (TorchRec's
-    row-wise sharding, TPU embeddings). O(devices x capacity x D) per device.
-    If a device has more distinct ids for one shard than ``capacity``, the step
-    raises an error at run time (like :func:`jaxslices.check_ids`); no row or
-    gradient is ever dropped silently.
-
-Neither scheme gathers, all-reduces or replicates a table: outputs keep the
-table's row sharding.
+Neither scheme gathers, all-reduces or replicates a table: the tables keep
+their row sharding.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
@@ -53,22 +52,30 @@ from ..slices import IndexedSlices, coalesce, is_indexed_slices
 from ._placement import check_axis as _check_axis
 from ._placement import state_specs
 
-__all__ = ["Routing", "sharded_lookup", "sharded_update"]
+__all__ = [
+    "ROUTINGS",
+    "Route",
+    "Routing",
+    "check_routing",
+    "gather",
+    "sharded_lookup",
+    "sharded_update",
+    "update",
+]
 
 Routing = Literal["masked", "all_to_all"]
-_ROUTINGS = ("masked", "all_to_all")
+ROUTINGS = ("masked", "all_to_all")
 
 
-# ------------------------------------------------------------------ routing
-
-
-def _check_routing(routing: str, where: str, capacity: Any = None) -> None:
-    if routing not in _ROUTINGS:
+def check_routing(routing: Any, where: str, capacity: Any = None) -> None:
+    if routing not in ROUTINGS:
         raise ValueError(
-            f"{where}: `routing` must be one of {_ROUTINGS}, got {routing!r}."
+            f"{where}: `routing` must be one of {ROUTINGS}, got {routing!r}."
         )
     if capacity is not None and (
-        not isinstance(capacity, (int, np.integer)) or capacity < 1
+        isinstance(capacity, bool)
+        or not isinstance(capacity, (int, np.integer))
+        or capacity < 1
     ):
         raise ValueError(
             f"{where}: `capacity` must be a positive int (slots per destination "
@@ -76,16 +83,59 @@ def _check_routing(routing: str, where: str, capacity: Any = None) -> None:
         )
 
 
-def _overflow_error(needed: int, *, capacity: int, where: str) -> ValueError:
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How one row-sharded buffer is reached (static: part of a compiled step).
+
+    Attributes:
+      mesh: the mesh (concrete or abstract).
+      axis: the mesh axis the buffer's rows are split over; the batch is
+        split over every axis of the mesh.
+      routing: ``"masked"`` or ``"all_to_all"``.
+      capacity: ``"all_to_all"``: the distinct rows one device may send to
+        one shard per step; ``None``: the device's whole part of the batch
+        (never overflows).
+      where: what the user called, for messages.
+      fix: how to raise the capacity, for the overflow message.
+    """
+
+    mesh: Any
+    axis: str
+    routing: str = "masked"
+    capacity: int | None = None
+    where: str = "sharded_lookup"
+    fix: str = "Pass capacity >= {needed} (or capacity=None, which never overflows)"
+
+    @property
+    def shards(self) -> int:
+        return int(self.mesh.shape[self.axis])
+
+    @property
+    def devices(self) -> int:
+        return int(self.mesh.size)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return tuple(self.mesh.axis_names)
+
+    @property
+    def others(self) -> tuple[str, ...]:
+        return tuple(a for a in self.mesh.axis_names if a != self.axis)
+
+
+# ------------------------------------------------------------ the exchange
+
+
+def _overflow_error(needed: int, *, capacity: int, where: str, fix: str) -> ValueError:
     return ValueError(
         f"{where}(routing='all_to_all'): a device has {needed} distinct ids for "
         f"one shard, more than capacity={capacity} slots. Nothing was dropped: "
-        f"the step stops here, on every device. Pass capacity >= {needed} (or "
-        "capacity=None, which never overflows), or use routing='masked'."
+        f"the step stops here, on every device. {fix.format(needed=needed)}, or "
+        "use routing='masked'."
     )
 
 
-def _bucket(ids: jax.Array, rows_per_shard: int, shards: int, capacity: int, where):
+def _bucket(ids: jax.Array, rows_per_shard: int, shards: int, capacity: int, route):
     """Destination (shard, slot) of each of ``ids`` (sorted unique, padding last).
 
     Returns ``(shard, slot, ok)``; ``ok`` is False for padding and for ids past a
@@ -104,7 +154,9 @@ def _bucket(ids: jax.Array, rows_per_shard: int, shards: int, capacity: int, whe
     slot = _errors.raise_if(
         needed > capacity,
         slot,
-        functools.partial(_overflow_error, capacity=capacity, where=where),
+        functools.partial(
+            _overflow_error, capacity=capacity, where=route.where, fix=route.fix
+        ),
         needed,
         reduce=("max",),
     )
@@ -124,11 +176,205 @@ def _exchange(x: jax.Array, axis: str) -> jax.Array:
     return jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
 
 
-def _all_axes(mesh: Any) -> tuple[str, ...]:
-    return tuple(mesh.axis_names)
+# ------------------------------------------------------------------ lookups
 
 
-def _resolve(table: Any, mesh: Any, axis: str, where: str):
+def gather(
+    table: jax.Array, ids: jax.Array, route: Route | None, batch_dim: int = 0
+) -> jax.Array:
+    """``table[ids]`` for a row-sharded buffer, reached as ``route`` says.
+
+    ``ids``: buffer rows in ``[0, V]`` (``V``: padding, reads zeros), of the
+    index dtype, any shape; ``batch_dim``: the dimension split over the
+    devices (padded to a multiple of them if it does not divide). Under
+    :func:`jaxslices.value_and_grad` the buffer gets an
+    :class:`~jaxslices.IndexedSlices` gradient with these ids (the batch's
+    gradient, laid out like the batch). ``route`` ``None`` or masked: the
+    partitioner's gather.
+    """
+    if route is None or route.routing == "masked":
+        return embedding_lookup(table, ids)
+    fn = functools.partial(_routed, route=route, batch_dim=batch_dim)
+    out = _tape.lookup(table, ids, fn)  # the batch's sparse gradient
+    return fn(table, ids) if out is None else out
+
+
+def _routed(table, ids, *, route: Route, batch_dim: int):
+    """The all-to-all gather: ids to their owners, rows back (one ``shard_map``)."""
+    shards, devices, axis = route.shards, route.devices, route.axis
+    num_rows = table.shape[0]
+    rows = num_rows // shards
+    row_shape = table.shape[1:]
+    size = ids.shape[batch_dim]
+    pad = -size % devices
+    if pad:  # every device routes an equal part; the extra slots are padding
+        widths = [(0, 0)] * ids.ndim
+        widths[batch_dim] = (0, pad)
+        ids = jnp.pad(ids, widths, constant_values=num_rows)
+    n_local = int(np.prod(ids.shape)) // devices
+    cap = n_local if route.capacity is None else int(route.capacity)
+    spec = P(*([None] * batch_dim), route.batch_axes)
+
+    def local(shard, ids_):
+        flat = _ids.safe_ids(ids_.reshape(-1), num_rows)
+        uniq, inv = _coalesce.unique_with_inverse(flat, num_rows)
+        dest, slot, ok = _bucket(uniq, rows, shards, cap, route)
+        offset = jnp.where(ok, uniq - dest * rows, rows).astype(uniq.dtype)
+        want = _exchange(_send(offset, dest, slot, ok, shards, cap, rows), axis)
+        got = shard.at[want].get(mode="fill", fill_value=0)  # the owner's gather
+        back = _exchange(got, axis)
+        mine = back[jnp.where(ok, dest, 0), jnp.where(ok, slot, 0)]
+        mine = jnp.where(_coalesce.rows_where(ok, mine.ndim), mine, 0)
+        return mine[inv].reshape(*ids_.shape, *row_shape)
+
+    out = _shard_map(local, route.mesh, (P(axis), spec), spec)(table, ids)
+    if pad:
+        out = jax.lax.slice_in_dim(out, 0, size, axis=batch_dim)
+    return out
+
+
+# --------------------------------------------------------- the optimizer step
+
+
+def _pad_slices(g: IndexedSlices, multiple: int) -> IndexedSlices:
+    pad = -g.num_slices % multiple
+    if not pad:
+        return g
+    v = g.dense_shape[0]
+    return IndexedSlices(
+        jnp.concatenate([g.values, jnp.zeros((pad, *g.row_shape), g.dtype)]),
+        jnp.concatenate([g.indices, jnp.full((pad,), v, g.indices.dtype)]),
+        g.dense_shape,
+    )
+
+
+def _to_owner(g: IndexedSlices, route: Route, rows: int) -> IndexedSlices:
+    """Local slices (buffer ids) -> the slices this device owns (its shard's ids).
+
+    Each device sums its gradient rows per row (one coalesce) and sends them
+    to their owner in the buffers of the lookup's capacity; replicas of a
+    shard on the mesh's other axes all get every replica's rows.
+    """
+    shards = route.shards
+    cap = g.num_slices if route.capacity is None else int(route.capacity)
+    c = coalesce(g)
+    dest, slot, ok = _bucket(c.indices, rows, shards, cap, route)
+    offset = jnp.where(ok, c.indices - dest * rows, rows).astype(c.indices.dtype)
+    ids = _exchange(_send(offset, dest, slot, ok, shards, cap, rows), route.axis)
+    vals = _exchange(_send(c.values, dest, slot, ok, shards, cap, 0), route.axis)
+    if route.others:  # table replicas on the other mesh axes get every replica's rows
+        ids, vals = _all_gather_invariant((ids, vals), route.others)
+    return IndexedSlices(
+        vals.reshape(-1, *g.row_shape), ids.reshape(-1), (rows, *g.row_shape)
+    )
+
+
+def _owned(g: IndexedSlices, route: Route, rows: int) -> IndexedSlices:
+    """Masked, inside ``shard_map``: every device's slices, this shard's rows kept."""
+    every = _all_gather_invariant((g.values, g.indices), route.batch_axes)
+    values, indices = every
+    first = jax.lax.axis_index(route.axis).astype(indices.dtype) * rows
+    local = indices - first
+    mine = (local >= 0) & (local < rows) & (indices < g.dense_shape[0])
+    local = jnp.where(mine, local, rows)
+    return IndexedSlices(values, local, (rows, *g.row_shape))
+
+
+def update(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    state: Any,
+    params: Any,
+    routes: Sequence[Route | None],
+    where: str,
+) -> tuple[Any, Any]:
+    """``tx.update`` then ``apply_updates``, each sharded leaf on its owners.
+
+    ``routes``: one per leaf of ``params`` (in ``jax.tree.leaves`` order), a
+    :class:`Route` for a row-sharded table, ``None`` for a replicated leaf.
+    Without an all-to-all route the step is the partitioner's (``tx.update``
+    and :func:`jaxslices.apply_updates` under ``jax.jit``; any Optax
+    transform). Otherwise one ``shard_map``: a sharded leaf's slices reach its
+    owners (:func:`_to_owner`, or every device's slices, masked), a
+    replicated leaf's slices are gathered from every device (the
+    data-parallel exchange), dense gradients stay as they are (replicated),
+    and the optimizer runs per device on the rows each owns, the transforms
+    that reduce over all rows summing over the shards
+    (:func:`jaxslices._spmd.rows_sharded_over`).
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    routes = list(routes)
+    g_leaves = treedef.flatten_up_to(grads)
+    if len(routes) != len(leaves):
+        raise ValueError(f"{where}: one route per parameter leaf.")
+    routed = [r for r in routes if r is not None and r.routing == "all_to_all"]
+    if not routed:
+        upd, state = tx.update(grads, state, params)
+        return updates_.apply_updates(params, upd), state
+    route0 = routed[0]
+    mesh, axis = route0.mesh, route0.axis
+    for r in routes:
+        if r is not None and (r.axis != axis or r.mesh.shape != mesh.shape):
+            raise ValueError(
+                f"{where}: every sharded table must be sharded over one mesh axis; "
+                f"got {axis!r} and {r.axis!r}."
+            )
+    shards, devices = route0.shards, route0.devices
+    batch = P(route0.batch_axes)
+
+    p_specs = [P() if r is None else P(axis) for r in routes]
+    g_in, g_specs, kinds = [], [], []
+    for g, r, p in zip(g_leaves, routes, leaves, strict=True):
+        if is_indexed_slices(g):
+            if g.dense_shape != tuple(p.shape):
+                raise ValueError(
+                    f"{where}: a gradient has dense shape {g.dense_shape} but its "
+                    f"parameter has shape {tuple(p.shape)}."
+                )
+            g = _pad_slices(g, devices)
+            g_specs.append(jax.tree.unflatten(jax.tree.structure(g), [batch, batch]))
+            kinds.append("slices")
+        elif r is not None and g is not None and getattr(g, "ndim", 0):
+            g_specs.append(P(axis))  # a dense gradient of a sharded table: its rows
+            kinds.append("dense")
+        else:
+            g_specs.append(P())
+            kinds.append("dense")
+        g_in.append(g)
+    p_spec_tree = jax.tree.unflatten(treedef, p_specs)
+    s_specs = state_specs(tx, state, p_spec_tree, P())
+    num_rows = [p.shape[0] if getattr(p, "ndim", 0) else 0 for p in leaves]
+
+    def local(g_flat, state, p_flat):
+        local_grads = []
+        for g, r, kind, v in zip(g_flat, routes, kinds, num_rows, strict=True):
+            if kind == "slices":
+                if r is None:  # a replicated table: every device's rows
+                    vals, idx = _all_gather_invariant(
+                        (g.values, g.indices), route0.batch_axes
+                    )
+                    g = IndexedSlices(vals, idx, g.dense_shape)
+                elif r.routing == "all_to_all":
+                    g = _to_owner(g, r, v // shards)
+                else:
+                    g = _owned(g, r, v // shards)
+            local_grads.append(g)
+        grads_ = jax.tree.unflatten(treedef, local_grads)
+        params_ = jax.tree.unflatten(treedef, p_flat)
+        with _spmd.rows_sharded_over(axis, shards):  # global norms sum over shards
+            updates, new_state = tx.update(grads_, state, params_)
+        return jax.tree.leaves(updates_.apply_updates(params_, updates)), new_state
+
+    new_leaves, new_state = _shard_map(
+        local, mesh, (g_specs, s_specs, p_specs), (p_specs, s_specs)
+    )(g_in, state, leaves)
+    return jax.tree.unflatten(treedef, new_leaves), new_state
+
+
+# ------------------------------------------------------ one table: a plan of one
+
+
+def _resolve(table: Any, mesh: Any, axis: str, where: str) -> Any:
     mesh = mesh if mesh is not None else _abstract_mesh(table)
     if mesh is None:
         raise ValueError(
@@ -142,41 +388,7 @@ def _resolve(table: Any, mesh: Any, axis: str, where: str):
             f"{shards} shards of mesh axis {axis!r}; place it with "
             "jaxslices.sharding.shard_rows, which pads the rows."
         )
-    return mesh, shards, table.shape[0] // shards
-
-
-def _batch_size_check(n: int, devices: int, where: str) -> None:
-    if n % devices:
-        raise ValueError(
-            f"{where}(routing='all_to_all'): the batch's leading dimension ({n}) "
-            f"must be divisible by the number of devices ({devices}): each device "
-            "routes its own part of the batch."
-        )
-
-
-def _routed_gather(table, ids, *, mesh, axis, shards, rows, capacity):
-    """``table[ids]`` for a row-sharded table, ids routed to their owners."""
-    devices = mesh.size
-    _batch_size_check(ids.shape[0], devices, "sharded_lookup")
-    n_local = int(np.prod(ids.shape)) // devices
-    cap = n_local if capacity is None else int(capacity)
-    row_shape = table.shape[1:]
-    batch = P(_all_axes(mesh))
-
-    def local(shard_rows_, ids_):
-        flat = ids_.reshape(-1)
-        total = rows * shards
-        uniq, inv = _coalesce.unique_with_inverse(_ids.safe_ids(flat, total), total)
-        dest, slot, ok = _bucket(uniq, rows, shards, cap, "sharded_lookup")
-        offset = jnp.where(ok, uniq - dest * rows, rows)
-        want = _exchange(_send(offset, dest, slot, ok, shards, cap, rows), axis)
-        got = shard_rows_.at[want].get(mode="fill", fill_value=0)
-        back = _exchange(got, axis)
-        mine = back[jnp.where(ok, dest, 0), jnp.where(ok, slot, 0)]
-        mine = jnp.where(ok.reshape(-1, *([1] * len(row_shape))), mine, 0)
-        return mine[inv].reshape(*ids_.shape, *row_shape)
-
-    return _shard_map(local, mesh, (P(axis), batch), batch)(table, ids)
+    return mesh
 
 
 def sharded_lookup(
@@ -193,7 +405,9 @@ def sharded_lookup(
     Use it inside a loss under ``jax.jit``, as :func:`jaxslices.embedding_lookup`:
     :func:`jaxslices.value_and_grad` gives the table an
     :class:`~jaxslices.IndexedSlices` gradient (global ids, the batch's
-    sharding). Ids outside ``[0, rows)`` read zeros and get no gradient.
+    sharding). Ids outside ``[0, rows)`` read zeros and get no gradient. The
+    table is a plan of one: the gather is the one a
+    :class:`~jaxslices.sharding.ShardingPlan`'s sharded buffers use.
 
     Args:
       table: ``[V, ...]``, placed with ``P(axis)`` (:func:`shard_rows`).
@@ -224,7 +438,7 @@ def sharded_lookup(
       Array([[[6., 7.],
               [0., 1.]]], dtype=float32)
     """
-    _check_routing(routing, "sharded_lookup", capacity)
+    check_routing(routing, "sharded_lookup", capacity)
     if routing == "masked":
         return embedding_lookup(table, ids)
     ids = ids if hasattr(ids, "dtype") else np.asarray(ids)  # no narrowing
@@ -233,47 +447,16 @@ def sharded_lookup(
             "sharded_lookup: `ids` must be an integer array with a batch dimension, "
             f"got {jnp.dtype(ids.dtype).name}{list(ids.shape)}."
         )
-    mesh, shards, rows = _resolve(table, mesh, axis, "sharded_lookup")
-    gather = functools.partial(
-        _routed_gather,
-        mesh=mesh,
-        axis=axis,
-        shards=shards,
-        rows=rows,
-        capacity=capacity,
-    )
+    mesh = _resolve(table, mesh, axis, "sharded_lookup")
+    if ids.shape[0] % mesh.size:
+        raise ValueError(
+            f"sharded_lookup(routing='all_to_all'): the batch's leading dimension "
+            f"({ids.shape[0]}) must be divisible by the number of devices "
+            f"({mesh.size}): each device routes its own part of the batch."
+        )
+    route = Route(mesh, axis, "all_to_all", capacity, "sharded_lookup")
     safe = _ids.safe_ids(ids, table.shape[0])  # the ids policy: invalid ids -> V
-    out = _tape.lookup(table, safe, gather)  # sparse under value_and_grad
-    return gather(table, safe) if out is None else out
-
-
-# ------------------------------------------------------------------- update
-
-
-def _pad_slices(g: IndexedSlices, multiple: int) -> IndexedSlices:
-    pad = -g.num_slices % multiple
-    if not pad:
-        return g
-    v = g.dense_shape[0]
-    return IndexedSlices(
-        jnp.concatenate([g.values, jnp.zeros((pad, *g.row_shape), g.dtype)]),
-        jnp.concatenate([g.indices, jnp.full((pad,), v, g.indices.dtype)]),
-        g.dense_shape,
-    )
-
-
-def _route_to_owner(g, *, axis, others, shards, rows, capacity):
-    """Local slices (global ids) -> the slices this device owns (local ids)."""
-    c = coalesce(g)
-    dest, slot, ok = _bucket(c.indices, rows, shards, capacity, "sharded_update")
-    offset = jnp.where(ok, c.indices - dest * rows, rows).astype(c.indices.dtype)
-    ids = _exchange(_send(offset, dest, slot, ok, shards, capacity, rows), axis)
-    vals = _exchange(_send(c.values, dest, slot, ok, shards, capacity, 0), axis)
-    if others:  # table replicas on the other mesh axes get every replica's rows
-        ids, vals = _all_gather_invariant((ids, vals), others)
-    return IndexedSlices(
-        vals.reshape(-1, *g.row_shape), ids.reshape(-1), (rows, *g.row_shape)
-    )
+    return gather(table, safe, route)
 
 
 def sharded_update(
@@ -295,9 +478,8 @@ def sharded_update(
     parameter whose gradient is an :class:`~jaxslices.IndexedSlices` is a
     table sharded by rows over ``axis`` (:func:`shard_rows`); every other
     parameter is replicated; the state is laid out like its parameters
-    (:func:`sharded_init`). (A table whose gradient fell back to dense, e.g.
-    tied weights, counts as replicated under ``"all_to_all"``: correct, but it
-    is gathered whole; use ``"masked"`` for such tables.)
+    (:func:`sharded_init`). The step is a plan's
+    (:meth:`~jaxslices.sharding.ShardingPlan.update`), for a plan of one.
 
     * ``routing="masked"``: ``tx.update`` + ``apply_updates`` as written, each
       device handling the rows of the whole global batch and writing those it
@@ -342,75 +524,28 @@ def sharded_update(
       >>> new["emb"][:, 0]
       Array([1., 0., 1., 1.], dtype=float32)
     """
-    _check_routing(routing, "sharded_update", capacity)
+    where = "sharded_update"
+    check_routing(routing, where, capacity)
     if routing == "masked":
         upd, state = tx.update(grads, state, params)
         return updates_.apply_updates(params, upd), state
-    tables = [
-        is_indexed_slices(g) for g in jax.tree.leaves(grads, is_leaf=is_indexed_slices)
-    ]
     leaves, treedef = jax.tree.flatten(params)
-    g_leaves = treedef.flatten_up_to(grads)
-    if len(tables) != len(leaves):
+    g_leaves = jax.tree.leaves(grads, is_leaf=is_indexed_slices)
+    if len(g_leaves) != len(leaves):
         raise ValueError(
-            "sharded_update: `grads` must have the structure of `params` (one "
-            f"gradient per parameter), got {len(tables)} and {len(leaves)} leaves."
+            f"{where}: `grads` must have the structure of `params` (one gradient "
+            f"per parameter), got {len(g_leaves)} and {len(leaves)} leaves."
         )
+    g_leaves = treedef.flatten_up_to(grads)
+    tables = [is_indexed_slices(g) for g in g_leaves]
     first = next((p for p, t in zip(leaves, tables, strict=True) if t), None)
     if first is None:
         upd, state = tx.update(grads, state, params)
         return updates_.apply_updates(params, upd), state
-    mesh, shards, _ = _resolve(first, mesh, axis, "sharded_update")
-    devices = mesh.size
-    others = tuple(a for a in mesh.axis_names if a != axis)
-    batch = P(_all_axes(mesh))
-
-    p_specs = [P(axis) if t else P() for t in tables]
-    num_rows = [p.shape[0] if p.ndim else 0 for p in leaves]
-    g_in, g_specs = [], []
-    for g, t, p in zip(g_leaves, tables, leaves, strict=True):
+    mesh = _resolve(first, mesh, axis, where)
+    route = Route(mesh, axis, "all_to_all", capacity, where)
+    for p, t in zip(leaves, tables, strict=True):
         if t:
-            _resolve(p, mesh, axis, "sharded_update")  # rows divide evenly
-            if g.dense_shape != tuple(p.shape):
-                raise ValueError(
-                    f"sharded_update: a gradient has dense shape {g.dense_shape} "
-                    f"but its parameter has shape {tuple(p.shape)}."
-                )
-            g = _pad_slices(g, devices)
-            g_in.append(g)
-            g_specs.append(jax.tree.unflatten(jax.tree.structure(g), [batch, batch]))
-        else:
-            g_in.append(g)
-            g_specs.append(P())
-    p_spec_tree = jax.tree.unflatten(treedef, p_specs)
-    s_specs = state_specs(tx, state, p_spec_tree, P())
-
-    def local(g_flat, state, p_flat):
-        local_grads = []
-        for g, t, v in zip(g_flat, tables, num_rows, strict=True):
-            if t:
-                rows = v // shards
-                n_local = g.num_slices
-                cap = n_local if capacity is None else int(capacity)
-                g = _route_to_owner(
-                    g,
-                    axis=axis,
-                    others=others,
-                    shards=shards,
-                    rows=rows,
-                    capacity=cap,
-                )
-            local_grads.append(g)
-        grads_ = jax.tree.unflatten(treedef, local_grads)
-        params_ = jax.tree.unflatten(treedef, p_flat)
-        with _spmd.rows_sharded_over(axis):  # global norms sum over shards
-            updates, new_state = tx.update(grads_, state, params_)
-        return jax.tree.leaves(updates_.apply_updates(params_, updates)), new_state
-
-    new_leaves, new_state = _shard_map(
-        local,
-        mesh,
-        (g_specs, s_specs, p_specs),
-        (p_specs, s_specs),
-    )(g_in, state, leaves)
-    return jax.tree.unflatten(treedef, new_leaves), new_state
+            _resolve(p, mesh, axis, where)  # rows divide evenly
+    routes = [route if t else None for t in tables]
+    return update(tx, grads, state, params, routes, where)

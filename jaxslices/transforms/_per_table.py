@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .. import _leaves
+from .. import _leaves, _spmd
 from ..slices import IndexedSlices, _replace_values, check_slices
 from ._rowwise import coalesce_for_update, mask_padding, rows
 
@@ -100,6 +100,13 @@ def _dense_rows(b: Any, per_table: jax.Array) -> jax.Array:
 
 
 def _map_buffers(coll: Any, updates: Any, fn: Any, where: str, *others: Any) -> Any:
+    """``fn(b, g, *xs, rows=...)`` on every leaf that is a buffer ``b``.
+
+    ``rows(indices)`` maps the leaf's row ids to the buffer's: the identity,
+    except inside a sharded optimizer step
+    (:func:`jaxslices._spmd.rows_sharded_over`), where a sharded buffer's
+    leaf is this shard's rows and its row ``i`` is buffer row ``first + i``.
+    """
     by_name = {b.name: b for b in coll.buffers}
     found = []
 
@@ -113,12 +120,19 @@ def _map_buffers(coll: Any, updates: Any, fn: Any, where: str, *others: Any) -> 
         )
         b = by_name.get(name)
         shape = tuple(g.shape) if hasattr(g, "shape") else None
-        if b is None or shape != b.shape:
+        if b is None:
+            return g
+        local = _spmd.shard_rows(b.rows) if getattr(b, "sharded", False) else None
+        if shape == b.shape:
+            span = None
+        elif local is not None and shape == (local[0], b.dim):
+            span = local  # this shard's rows of a sharded buffer
+        else:
             return g
         if isinstance(g, IndexedSlices):
             check_slices(g, _leaves.label(where, path))
         found.append(name)
-        return fn(b, g, *xs)
+        return fn(b, g, *xs, span=span)
 
     out = jax.tree_util.tree_map_with_path(
         leaf, updates, *others, is_leaf=_leaves.is_leaf
@@ -131,6 +145,23 @@ def _map_buffers(coll: Any, updates: Any, fn: Any, where: str, *others: Any) -> 
             "made (or a tree that contains them under their names)."
         )
     return out
+
+
+def _buffer_rows(b: Any, indices: jax.Array, span: Any) -> jax.Array:
+    """Buffer rows of a leaf's row ids (``span``: a shard's ``(R, first)``)."""
+    if span is None:
+        return indices
+    rows, first = span
+    return jnp.where(indices < rows, indices + first.astype(indices.dtype), b.rows)
+
+
+def _leaf_rows(b: Any, values: jax.Array, span: Any) -> jax.Array:
+    """:func:`_dense_rows` of the leaf's rows (a shard's, in a sharded step)."""
+    per_row = _dense_rows(b, values)
+    if span is None:
+        return per_row
+    rows, first = span
+    return jax.lax.dynamic_slice_in_dim(per_row, first, rows)
 
 
 def _resolve(values: dict, count: jax.Array, tables: tuple) -> list[Any]:
@@ -173,7 +204,7 @@ def scale_by_table(
     def update_fn(updates, state, params=None, **extra):
         del params, extra
 
-        def fn(b, g):
+        def fn(b, g, span):
             f = jnp.stack(
                 [
                     jnp.asarray(v, jnp.float32)
@@ -181,10 +212,11 @@ def scale_by_table(
                 ]
             )
             if isinstance(g, IndexedSlices):
-                k = _per_row(b, f, g.indices).astype(g.values.dtype)
+                k = _per_row(b, f, _buffer_rows(b, g.indices, span))
+                k = k.astype(g.values.dtype)
                 return _replace_values(g, g.values * k[:, None])
             g = jnp.asarray(g)
-            return (g * _dense_rows(b, f)[:, None]).astype(g.dtype)
+            return (g * _leaf_rows(b, f, span)[:, None]).astype(g.dtype)
 
         out = _map_buffers(coll, updates, fn, where)
         return out, PerTableState(optax.safe_increment(state.count))
@@ -237,7 +269,7 @@ def add_decayed_weights_by_table(
             )
         _leaves.check_structure(where, updates, "updates", params, "params")
 
-        def fn(b, g, p):
+        def fn(b, g, p, span):
             r = jnp.stack(
                 [
                     jnp.asarray(v, jnp.float32)
@@ -247,11 +279,12 @@ def add_decayed_weights_by_table(
             p = jnp.asarray(p)
             if isinstance(g, IndexedSlices):
                 c = coalesce_for_update(g)
-                k = _per_row(b, r, c.indices).astype(c.values.dtype)
+                k = _per_row(b, r, _buffer_rows(b, c.indices, span))
+                k = k.astype(c.values.dtype)
                 new = c.values + k[:, None] * rows(p, c).astype(c.values.dtype)
                 return _replace_values(c, mask_padding(c, new))
             g = jnp.asarray(g)
-            return (g + _dense_rows(b, r)[:, None] * p).astype(g.dtype)
+            return (g + _leaf_rows(b, r, span)[:, None] * p).astype(g.dtype)
 
         out = _map_buffers(coll, updates, fn, where, params)
         return out, PerTableState(optax.safe_increment(state.count))

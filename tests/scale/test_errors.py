@@ -243,7 +243,7 @@ KINDS = {
     ),
     "max_total": (
         _jagged_max_total,
-        "jaxslices.JaggedIds.from_lengths: the bags hold 4 ids in all, more than "
+        "JaggedIds.from_lengths: the bags hold 4 ids in all, more than "
         "max_total=3 slots. Pass a larger static `max_total`",
     ),
     "MultiSteps capacity": (
