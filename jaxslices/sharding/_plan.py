@@ -242,11 +242,12 @@ class ShardingPlan:
                 axis,
                 self.routing[b.name],
                 self.capacity[b.name],
-                f"ShardingPlan (buffer {b.name!r})",
+                f"ShardingPlan buffer {b.name!r} (routing='all_to_all')",
                 fix=(
-                    "Give the plan capacity={"
+                    "Give the plan capacity={{"
                     + repr(b.name)
-                    + ": {needed}} or more (or estimate it from samples)"
+                    + ": {needed}}} or more (ShardingPlan.estimate_capacity "
+                    "sizes it from sample batches)"
                 ),
             )
             for b in sharded

@@ -32,6 +32,10 @@ def plan_collection(
     ids_per_step: Mapping[str, int] | None = None,
     replicate_below: int = 1 << 20,
     state_bytes_per_row: float = 4.0,
+    routing: Any = None,
+    capacity: Any = None,
+    samples: Any = None,
+    padding_id: int | None = None,
 ) -> ShardingPlan:
     """Choose a placement for every table, like TorchRec's planner.
 
@@ -49,6 +53,14 @@ def plan_collection(
     ``overrides`` (``{table: kind}`` or ``{table: ("table_wise", device)}``)
     fixes those tables first; column-wise placement is chosen only there.
 
+    Then each sharded buffer gets the routing the cost model finds cheaper
+    (:mod:`jaxslices.sharding._cost`: bytes per device and step, plus a
+    latency per collective), given its all-to-all capacity: estimated from
+    ``samples`` (:meth:`ShardingPlan.estimate_capacity`) or given. Without
+    either, the all-to-all would move as much as masked routing, so masked
+    is chosen; with a capacity sized from the data, all-to-all wins once
+    the batch is not tiny.
+
     Args:
       collection: the :class:`jaxslices.EmbeddingCollection`.
       mesh: a ``jax.sharding.Mesh``.
@@ -62,6 +74,10 @@ def plan_collection(
       replicate_below: the largest table (bytes) to replicate.
       state_bytes_per_row: optimizer state per row (row-wise Adagrad: 4;
         Adam: ``8 * dim``).
+      routing: as :class:`ShardingPlan`'s (``None``: by the cost model).
+      capacity: as :class:`ShardingPlan`'s.
+      samples: sample batches to estimate the capacities from.
+      padding_id: the padded samples' padding id.
 
     Returns:
       A :class:`ShardingPlan`.
@@ -138,6 +154,10 @@ def plan_collection(
         mesh,
         axis,
         kinds,
+        routing=routing,
+        capacity=capacity,
+        samples=samples,
+        padding_id=padding_id,
         ids_per_step=ids_per_step,
         batch_size=batch_size,
         state_bytes_per_row=state_bytes_per_row,

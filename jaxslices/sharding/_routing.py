@@ -95,7 +95,8 @@ class Route:
       capacity: ``"all_to_all"``: the distinct rows one device may send to
         one shard per step; ``None``: the device's whole part of the batch
         (never overflows).
-      where: what the user called, for messages.
+      where: what the user called, for messages (``"sharded_lookup(routing=
+        'all_to_all')"``).
       fix: how to raise the capacity, for the overflow message.
     """
 
@@ -103,7 +104,7 @@ class Route:
     axis: str
     routing: str = "masked"
     capacity: int | None = None
-    where: str = "sharded_lookup"
+    where: str = "sharded_lookup(routing='all_to_all')"
     fix: str = "Pass capacity >= {needed} (or capacity=None, which never overflows)"
 
     @property
@@ -128,7 +129,7 @@ class Route:
 
 def _overflow_error(needed: int, *, capacity: int, where: str, fix: str) -> ValueError:
     return ValueError(
-        f"{where}(routing='all_to_all'): a device has {needed} distinct ids for "
+        f"{where}: a device has {needed} distinct ids for "
         f"one shard, more than capacity={capacity} slots. Nothing was dropped: "
         f"the step stops here, on every device. {fix.format(needed=needed)}, or "
         "use routing='masked'."
@@ -454,7 +455,7 @@ def sharded_lookup(
             f"({ids.shape[0]}) must be divisible by the number of devices "
             f"({mesh.size}): each device routes its own part of the batch."
         )
-    route = Route(mesh, axis, "all_to_all", capacity, "sharded_lookup")
+    route = Route(mesh, axis, "all_to_all", capacity)
     safe = _ids.safe_ids(ids, table.shape[0])  # the ids policy: invalid ids -> V
     return gather(table, safe, route)
 
@@ -543,7 +544,7 @@ def sharded_update(
         upd, state = tx.update(grads, state, params)
         return updates_.apply_updates(params, upd), state
     mesh = _resolve(first, mesh, axis, where)
-    route = Route(mesh, axis, "all_to_all", capacity, where)
+    route = Route(mesh, axis, "all_to_all", capacity, f"{where}(routing='all_to_all')")
     for p, t in zip(leaves, tables, strict=True):
         if t:
             _resolve(p, mesh, axis, where)  # rows divide evenly

@@ -1,6 +1,8 @@
 """Sharding plans on 8 CPU devices: every plan trains to one device's numbers,
-and no step moves a table (the compiled HLO's collectives grow with the batch,
-not with the tables)."""
+with masked or all-to-all routing and every optimizer, and no step moves a
+table (the compiled HLO's collectives grow with the batch, not with the
+tables). How the all-to-all routing scales with the devices:
+``test_plan_scaling.py``."""
 
 from __future__ import annotations
 
@@ -57,17 +59,22 @@ def _loss(lookup, params, ids, y):
     return jnp.mean((h @ params["w"] - y) ** 2)
 
 
-def _train(lookup, params, batches, sharding=None, elementwise=False):
-    tx = _tx(lookup, elementwise)
+def _train(lookup, params, batches, sharding=None, elementwise=False, tx=None):
+    """Train on ``batches``; a plan with routed buffers steps with ``update``."""
+    tx = _tx(lookup, elementwise) if tx is None else tx
     state = (
         js.sharding.sharded_init(tx, params)
         if sharding is not None
         else tx.init(params)
     )
+    routed = isinstance(lookup, js.sharding.ShardingPlan)
 
     @jax.jit
     def step(params, state, ids, y):
         loss, g = js.value_and_grad(functools.partial(_loss, lookup))(params, ids, y)
+        if routed:
+            params, state = lookup.update(tx, g, state, params)
+            return params, state, loss
         u, state = tx.update(g, state, params)
         return js.apply_updates(params, u), state, loss
 
@@ -81,11 +88,16 @@ def _train(lookup, params, batches, sharding=None, elementwise=False):
 
 
 @functools.lru_cache
-def _single(elementwise):
+def _single(elementwise, optimizer=None):
     """One device's run on the batches of the plan tests (computed once)."""
     params = {"emb": COLL.init(jax.random.key(0)), "w": jnp.linspace(-1, 1, 44)}
     batches = [_batch(s) for s in range(2)]
-    return params, _train(COLL, params, batches, elementwise=elementwise)[:2]
+    tx = None if optimizer is None else _optimizer(COLL, optimizer)
+    return params, _train(COLL, params, batches, elementwise=elementwise, tx=tx)[:2]
+
+
+def _optimizer(coll, name):
+    return optax.chain(_mesh.OPTIMIZERS[name](), coll.scale_by_table({"c": 0.5}))
 
 
 PLANS = {
@@ -103,10 +115,36 @@ PLANS = {
 }
 
 
+#: The mixed plan without column-wise tables: exact for row-wise optimizers.
+ROWS_ONLY = {**PLANS["mixed"], "d": "row_wise"}
+
+
+def _replicated(m, x):
+    return jax.device_put(x, NamedSharding(m, P()))
+
+
+def _samples():
+    return [_batch(s)[0] for s in range(2)]
+
+
+@pytest.mark.parametrize("routing", ["masked", "all_to_all"])
 @pytest.mark.parametrize("name", sorted(PLANS))
-def test_every_plan_trains_like_one_device(name):
+def test_every_plan_trains_like_one_device(name, routing):
+    """Masked: the step written as on one device (the partitioner's). All-to-all
+    (capacities from the batches): ``plan.update``, the gradients routed back."""
     m = _mesh.mesh((8,), ("model",))
-    plan = js.sharding.ShardingPlan(COLL, m, "model", PLANS[name], batch_size=B)
+    plan = js.sharding.ShardingPlan(
+        COLL,
+        m,
+        "model",
+        PLANS[name],
+        batch_size=B,
+        routing=routing,
+        samples=_samples() if routing == "all_to_all" else None,
+        padding_id=-1,
+    )
+    if name != "data_parallel":
+        assert set(plan.routing.values()) == {routing}, plan.routing
     batches = [_batch(s) for s in range(2)]
     elementwise = any(p.kind == "column_wise" for p in plan.tables.values())
     params0, (want, want_losses) = _single(elementwise)
@@ -128,6 +166,185 @@ def test_every_plan_trains_like_one_device(name):
     np.testing.assert_allclose(got["w"], want["w"], rtol=1e-5, atol=1e-6)
     for buf, sharding in plan.shardings().items():  # the step keeps the layout
         assert got["emb"][buf].sharding.is_equivalent_to(sharding, 2)
+
+
+@pytest.mark.parametrize("optimizer", sorted(_mesh.OPTIMIZERS))
+def test_every_optimizer_on_a_routed_plan_trains_like_one_device(optimizer):
+    """Table-wise, row-wise and data-parallel tables, all-to-all routing: the
+    optimizer runs on the rows each device owns (clipping's global norm summed
+    over the shards, the replicated buffer's and the dense leaf's counted once)."""
+    m = _mesh.mesh((8,), ("model",))
+    plan = js.sharding.ShardingPlan(
+        COLL, m, "model", ROWS_ONLY, routing="all_to_all", samples=_samples(),
+        padding_id=-1,
+    )  # fmt: skip
+    params0, (want, want_losses) = _single(False, optimizer)
+    params = {
+        "emb": plan.shard(params0["emb"]),
+        "w": jax.device_put(params0["w"], NamedSharding(m, P())),
+    }
+    tx = _optimizer(plan, optimizer)
+    batch = NamedSharding(m, P("model"))
+    got, losses, step = _train(plan, params, [_batch(s) for s in range(2)], batch,
+                               tx=tx)  # fmt: skip
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    emb = plan.unshard(got["emb"])
+    for k in emb:
+        np.testing.assert_allclose(emb[k], want["emb"][k], rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(got["w"], want["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_routed_plan_runs_the_native_kernels_on_every_device():
+    """The optimizer of the routed buffers runs in shard_map: native there."""
+    if not js.kernels.available():
+        pytest.skip(f"needs the kernels: {js.kernels.status()}")
+    m = _mesh.mesh((8,), ("model",))
+    plan = js.sharding.ShardingPlan(
+        COLL, m, "model", ROWS_ONLY, routing="all_to_all", samples=_samples(),
+        padding_id=-1,
+    )  # fmt: skip
+    params0, _ = _single(False)
+    params = {"emb": plan.shard(params0["emb"]), "w": _replicated(m, params0["w"])}
+    tx = _tx(plan)
+    state = js.sharding.sharded_init(tx, params)
+    ids, y = jax.device_put(_batch(0), NamedSharding(m, P("model")))
+
+    def step(params, state, ids, y):
+        g = js.grad(functools.partial(_loss, plan))(params, ids, y)
+        return plan.update(tx, g, state, params)
+
+    report = js.kernels.explain(jax.jit(step), params, state, ids, y)
+    sharded = [d for d in report.decisions if "_sharded" in d.op]
+    assert sharded and all(d.native for d in sharded), str(report)
+
+
+def test_masked_and_all_to_all_buffers_in_one_step():
+    """One buffer routed each way: the masked one's owners take their rows of
+    every device's gradient inside the same shard_map."""
+    m = _mesh.mesh((8,), ("model",))
+    kinds = {t.name: "row_wise" for t in TABLES}
+    plan = js.sharding.ShardingPlan(
+        COLL, m, "model", kinds, samples=_samples(), padding_id=-1,
+        routing={"b": "all_to_all", "e": "masked"},
+    )  # fmt: skip
+    assert plan.routing == {
+        "dim8_float32_sharded": "all_to_all",
+        "dim4_float32_sharded": "masked",
+    }
+    assert plan.tables["e"].routing == "masked" and plan.tables["a"].capacity
+    params0, (want, want_losses) = _single(False)
+    params = {"emb": plan.shard(params0["emb"]), "w": _replicated(m, params0["w"])}
+    batch = NamedSharding(m, P("model"))
+    got, losses, _ = _train(plan, params, [_batch(s) for s in range(2)], batch)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    emb = plan.unshard(got["emb"])
+    for k in emb:
+        np.testing.assert_allclose(emb[k], want["emb"][k], rtol=1e-5, atol=1e-6)
+
+
+def test_the_step_written_as_on_one_device_is_right_on_a_routed_plan():
+    """``tx.update`` + ``apply_updates`` under jit on a routed plan's gradient
+    (the batch's, laid out like it): right, if not routed (the partitioner)."""
+    m = _mesh.mesh((8,), ("model",))
+    plan = js.sharding.ShardingPlan(
+        COLL, m, "model", ROWS_ONLY, routing="all_to_all", samples=_samples(),
+        padding_id=-1,
+    )  # fmt: skip
+    params0, (want, want_losses) = _single(False)
+    params = {"emb": plan.shard(params0["emb"]), "w": _replicated(m, params0["w"])}
+    tx = _tx(plan)
+    state = js.sharding.sharded_init(tx, params)
+
+    @jax.jit
+    def step(params, state, ids, y):
+        loss, g = js.value_and_grad(functools.partial(_loss, plan))(params, ids, y)
+        u, state = tx.update(g, state, params)
+        return js.apply_updates(params, u), state, loss
+
+    losses = []
+    for ids, y in [_batch(s) for s in range(2)]:
+        ids, y = jax.device_put((ids, y), NamedSharding(m, P("model")))
+        params, state, loss = step(params, state, ids, y)
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    emb = plan.unshard(params["emb"])
+    for k in emb:
+        np.testing.assert_allclose(emb[k], want["emb"][k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_capacity_overflow_raises_on_every_device_and_names_the_buffer():
+    m = _mesh.mesh((8,), ("model",))
+    kinds = {t.name: "row_wise" for t in TABLES}
+    plan = js.sharding.ShardingPlan(
+        COLL, m, "model", kinds, routing="all_to_all", capacity=1
+    )
+    params = plan.shard(COLL.init(jax.random.key(0)))
+    ids = jax.device_put(_batch(0)[0], NamedSharding(m, P("model")))
+    with pytest.raises(Exception, match=r"more than capacity=1 slots") as info:
+        jax.block_until_ready(jax.jit(plan.concat)(params, ids))
+    message = str(info.value)
+    name = "dim8" if "buffer 'dim8_float32_sharded'" in message else "dim4"
+    assert f"ShardingPlan buffer '{name}_float32_sharded' (routing=" in message
+    assert f"Give the plan capacity={{'{name}_float32_sharded': " in message
+
+
+def test_the_capacity_estimate_is_the_smallest_that_runs():
+    """margin=1, multiple=1: the estimate runs, one less overflows."""
+    m = _mesh.mesh((8,), ("model",))
+    kinds = {t.name: "row_wise" for t in TABLES}
+    plan = js.sharding.ShardingPlan(COLL, m, "model", kinds)
+    samples = _samples()
+    caps = plan.estimate_capacity(samples, padding_id=-1, margin=1.0, multiple=1)
+    params = plan.shard(COLL.init(jax.random.key(0)))
+    batches = [jax.device_put(s, NamedSharding(m, P("model"))) for s in samples]
+    for name, cap in caps.items():
+        for c, ok in ((cap, True), (cap - 1, False)):
+            if c < 1:
+                continue
+            routed = js.sharding.ShardingPlan(
+                COLL, m, "model", kinds, routing="all_to_all",
+                capacity={**caps, name: c},
+            )  # fmt: skip
+            run = jax.jit(functools.partial(routed.concat, padding_id=-1))
+            if ok:
+                for ids in batches:
+                    jax.block_until_ready(run(params, ids))
+            else:
+                with pytest.raises(Exception, match="more than capacity"):
+                    for ids in batches:
+                        jax.block_until_ready(run(params, ids))
+
+
+def test_the_cost_model_chooses_the_routing():
+    """Without a capacity an all-to-all moves what masked routing moves, so
+    masked is chosen; with one from the data it moves less; a tiny batch on two
+    devices stays masked (the collectives' latency)."""
+    m = _mesh.mesh((8,), ("model",))
+    big = js.EmbeddingCollection([js.TableConfig("t", rows=100_000, dim=64)])
+    kinds = {"t": "row_wise"}
+    rng = np.random.default_rng(0)
+    samples = [{"t": rng.integers(0, 100_000, (4096, 4))} for _ in range(2)]
+    unsized = js.sharding.ShardingPlan(big, m, "model", kinds, batch_size=4096 * 4)
+    assert unsized.routing == {"dim64_float32_sharded": "masked"}
+    routed = js.sharding.ShardingPlan(
+        big, m, "model", kinds, samples=samples, batch_size=4096 * 4
+    )
+    assert routed.routing == {"dim64_float32_sharded": "all_to_all"}
+    masked = js.sharding.ShardingPlan(
+        big, m, "model", kinds, capacity=routed.capacity, batch_size=4096 * 4,
+        routing="masked",
+    )  # fmt: skip
+    assert routed.tables["t"].comm_bytes < masked.tables["t"].comm_bytes / 4
+    two = _mesh.mesh((2,), ("model",))
+    tiny = [{"t": rng.integers(0, 100_000, (4, 1))}]
+    assert js.sharding.ShardingPlan(big, two, "model", kinds, samples=tiny,
+                                    batch_size=4).routing == {
+        "dim64_float32_sharded": "masked"}  # fmt: skip
+    chosen = js.sharding.plan_collection(
+        big, m, "model", batch_size=4096 * 4, samples=samples,
+        overrides={"t": "row_wise"},
+    )  # fmt: skip
+    assert chosen.routing == {"dim64_float32_sharded": "all_to_all"}
 
 
 def test_communication_is_batch_sized_not_table_sized():
@@ -213,10 +430,14 @@ def test_planner_chooses_by_size_and_memory_and_takes_overrides():
         )
 
 
-def test_a_jagged_input_on_a_plan():
-    """A KeyedJaggedIds (replicated) through the mixed plan: the same pooling."""
+@pytest.mark.parametrize("routing", ["masked", "all_to_all"])
+def test_a_jagged_input_on_a_plan(routing):
+    """A KeyedJaggedIds (replicated) through the mixed plan: the same pooling
+    (all-to-all: its slots split in equal parts over the devices)."""
     m = _mesh.mesh((8,), ("model",))
-    plan = js.sharding.ShardingPlan(COLL, m, "model", PLANS["mixed"], batch_size=B)
+    plan = js.sharding.ShardingPlan(
+        COLL, m, "model", PLANS["mixed"], batch_size=B, routing=routing
+    )
     params = COLL.init(jax.random.key(1))
     ids, _ = _batch(3)
     lists = {
@@ -227,6 +448,14 @@ def test_a_jagged_input_on_a_plan():
     got = jax.jit(plan)(plan.shard(params), kjt)
     for f in FEATURES:
         np.testing.assert_allclose(got[f], want[f], rtol=1e-6, atol=1e-7)
+    if routing == "all_to_all":  # the estimate from a jagged sample runs
+        caps = plan.estimate_capacity([kjt], margin=1.0, multiple=1)
+        tight = js.sharding.ShardingPlan(
+            COLL, m, "model", PLANS["mixed"], routing=routing, capacity=caps
+        )
+        got = jax.jit(tight)(plan.shard(params), kjt)
+        for f in FEATURES:
+            np.testing.assert_allclose(got[f], want[f], rtol=1e-6, atol=1e-7)
 
 
 def test_a_plans_concat_refuses_sequence_tables_like_the_collection():
