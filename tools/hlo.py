@@ -4,8 +4,12 @@
 all-gather, reduce-scatter, all-to-all and collective-permute of the compiled
 (SPMD-partitioned, per-device) module with its operand and result shapes;
 ``table_sized`` picks those that move a table-sized array, which a sparse step
-must never do. The tests (``tests/scale/``) check steps with it and the
-benchmark ``benchmarks/scale_bench.py`` counts bytes with it: both import it as
+must never do. ``gathers`` lists the module's gathers and ``gathered_rows``
+counts the rows one device reads from its tables and their optimizer state
+(gathers from arrays of at least a table shard's rows). The tests
+(``tests/scale/``) check steps with it and the benchmarks
+(``benchmarks/scale_bench.py``, ``benchmarks/plan_scale_bench.py``) count
+bytes and rows with it: all import it as
 ``from tools import hlo`` with the repository root on ``sys.path`` (pytest's
 ``pythonpath`` in ``pyproject.toml``; the benchmark inserts it).
 """
@@ -119,6 +123,63 @@ def collectives(compiled_or_text: Any) -> list[Collective]:
             Collective(kind, name, tuple(_arrays(shape_text)), tuple(operands))
         )
     return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Gather:
+    """One gather of a compiled module (per device): what it reads from."""
+
+    name: str
+    operand: tuple[str, tuple[int, ...]]
+    result: tuple[str, tuple[int, ...]]
+
+    @property
+    def rows(self) -> int:
+        """Rows read: the result's elements over one row of the operand."""
+        row = math.prod(self.operand[1][1:]) or 1
+        return math.prod(self.result[1]) // row
+
+
+def gathers(compiled_or_text: Any) -> list[Gather]:
+    """Every ``gather`` of a compiled executable (or its HLO text), fused ones too."""
+    text = _hlo_text(compiled_or_text)
+    shapes: dict[str, str] = {}
+    found = []
+    for line in text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, shape_text, op, rest = m.groups()
+        name = name.lstrip("%")
+        shapes[name] = shape_text
+        if op != "gather":
+            continue
+        first = rest.split(")", 1)[0].split(",")[0].strip().split(" ")[-1]
+        om = _OPERAND.search(first)
+        operand = _arrays(shapes.get(om.group(1), "")) if om else []
+        result = _arrays(shape_text)
+        if operand and result:
+            found.append(Gather(name, operand[0], result[0]))
+    return found
+
+
+def gathered_rows(compiled_or_text: Any, table_rows: Any) -> int:
+    """Rows one device reads per step from arrays of ``table_rows`` rows.
+
+    ``table_rows``: the rows of each table (or table shard) as a device holds
+    it (an int or a collection of them): the rows read from the tables and
+    their optimizer state (``[rows, ...]`` too), i.e. the lookups' gathers and
+    the optimizers' state gathers (on the XLA path; a native kernel's reads
+    are inside its custom call). Only float arrays count: tables and their
+    state are floats, while a batch-sized integer array (ids being sorted)
+    may happen to have as many rows.
+    """
+    sizes = {table_rows} if isinstance(table_rows, int) else set(table_rows)
+    return sum(
+        g.rows
+        for g in gathers(compiled_or_text)
+        if g.operand[1] and g.operand[1][0] in sizes and g.operand[0][0] in "fb"
+    )
 
 
 def total_bytes(compiled_or_text: Any) -> int:

@@ -1,0 +1,136 @@
+"""Weak scaling of sharding plans, read from the compiled HLO at 2, 4, 8 devices.
+
+The global batch grows with the devices (a fixed batch per device), the
+tables do not. With all-to-all routing (capacities from the batches), the
+rows a device reads from its tables and optimizer state and the bytes it
+moves stay within 1.25x from 2 to 8 devices for row-wise and table-wise
+plans (issue 29's goal); with masked routing (every device sees the global
+batch) they grow with it, 4x. Data-parallel tables exchange every device's
+gradient rows (their bytes grow with the global batch whatever the
+routing), and a column-wise id reads a piece on every device (its rows
+grow with the devices). The full grid (every kind, every optimizer, bigger
+tables) is ``benchmarks/plan_scale_bench.py``; its table is in
+``docs/scale_out.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import _mesh
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxslices as js
+from tools import hlo
+
+ROWS, DIM, PER_DEVICE = 65536, 8, 256  # benchmarks/plan_scale_bench.py's sizes
+DEVICES = (2, 4, 8)
+GOAL = 1.25
+
+OPTIMIZERS = {
+    "rowwise_adagrad": lambda: js.rowwise_adagrad(0.1),
+    "lazy_adam": lambda: js.lazy_adam(0.01),
+    "clip_sgd": lambda: optax.chain(js.clip_by_global_norm(1.0), js.sgd(0.1)),
+}
+
+
+def _collection(kind):
+    if kind == "row_wise (1 table)":
+        return js.EmbeddingCollection([js.TableConfig("t", ROWS, DIM)]), 8
+    return js.EmbeddingCollection(
+        [js.TableConfig(f"t{i}", ROWS // 8, DIM) for i in range(8)]
+    ), 1
+
+
+def _kinds(kind, coll):
+    names = [t.name for t in coll.tables]
+    if kind == "mixed":
+        kinds = ["data_parallel", "table_wise", "row_wise", "column_wise"]
+        return {t: kinds[i // 2] for i, t in enumerate(names)}
+    return {t: kind.split(" ")[0] for t in names}
+
+
+def _loss(plan, params, ids):
+    return jnp.sum(jnp.tanh(plan.concat(params, ids)) ** 2)
+
+
+@functools.cache
+def _figures(kind, routing, optimizer, n):
+    """``(rows gathered, bytes moved, plan)`` per device of one step."""
+    coll, bag = _collection(kind)
+    m = _mesh.mesh((n,), ("x",))
+    rng = np.random.default_rng(n)
+    ids = {
+        f: rng.integers(0, coll.table_config(coll.table_of(f)).rows,
+                        (PER_DEVICE * n, bag)).astype(np.int32)
+        for f in coll.features
+    }  # fmt: skip
+    plan = js.sharding.ShardingPlan(
+        coll, m, "x", _kinds(kind, coll), routing=routing,
+        samples=[ids] if routing == "all_to_all" else None,
+    )  # fmt: skip
+    params = plan.shard(coll.init(jax.random.key(0)))
+    tx = OPTIMIZERS[optimizer]()
+    state = js.sharding.sharded_init(tx, params)
+
+    def step(params, state, ids):
+        g = js.grad(functools.partial(_loss, plan))(params, ids)
+        return plan.update(tx, g, state, params)
+
+    ids = jax.device_put(ids, NamedSharding(m, P("x")))
+    with js.kernels.disabled():  # every read of a table an HLO gather
+        compiled = jax.jit(step).lower(params, state, ids).compile()
+    held = {b.rows // plan.devices if b.sharded else b.rows for b in plan.buffers}
+    if routing == "all_to_all":  # (masked: the global batch outgrows a shard)
+        hlo.assert_no_table_sized(compiled, min(held) + 1, DIM)
+    return (
+        hlo.gathered_rows(compiled, held),
+        hlo.total_bytes(compiled),
+        plan,
+    )
+
+
+def _growth(kind, routing, optimizer):
+    figs = {n: _figures(kind, routing, optimizer, n) for n in DEVICES}
+    rows = figs[8][0] / figs[2][0]
+    moved = figs[8][1] / figs[2][1]
+    return rows, moved, figs
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "row_wise (1 table)"])
+def test_row_and_table_wise_all_to_all_follow_the_local_batch(kind, optimizer):
+    rows, moved, figs = _growth(kind, "all_to_all", optimizer)
+    assert rows <= GOAL and moved <= GOAL, (rows, moved, figs)
+    # The cost model's estimate is of the bytes' order.
+    for n in DEVICES:
+        plan = figs[n][2]
+        est = sum(p.comm_bytes for p in plan.tables.values())
+        assert est / 2 <= figs[n][1] <= 2 * est, (n, est, figs[n][1])
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "row_wise (1 table)"])
+def test_masked_routing_grows_with_the_global_batch(kind):
+    rows, moved, figs = _growth(kind, "masked", "rowwise_adagrad")
+    assert rows >= 3.5 and moved >= 3.5, (rows, moved, figs)
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_the_other_kinds_grow_as_their_kind_must(optimizer):
+    """Data parallel: every device's gradient rows reach every device. Column
+    wise (all-to-all): an id reads a piece on every device, so its rows grow
+    with the devices while its bytes (pieces of dim / n) do not. Mixed: as
+    its parts."""
+    rows, moved, _ = _growth("data_parallel", "masked", optimizer)
+    assert moved >= 3.5, moved
+    rows, moved, _ = _growth("column_wise", "all_to_all", optimizer)
+    assert rows >= 3.5 and moved <= 2.0, (rows, moved)
+    rows_a, moved_a, _ = _growth("mixed", "all_to_all", optimizer)
+    rows_m, moved_m, _ = _growth("mixed", "masked", optimizer)
+    assert rows_a < rows_m and moved_a < moved_m, (rows_a, rows_m, moved_a, moved_m)
