@@ -6,7 +6,8 @@ through ``jax.distributed`` on 127.0.0.1, builds one mesh over every process's
 CPU devices, trains a few data-parallel and row-sharded (all-to-all) steps and
 writes the largest difference to a single-device reference, computed in this
 process on one local device, to ``OUT_JSON`` (also for an embedding
-collection on a sharding plan, ``run_plan``); then runs the steps of
+collection on a sharding plan, ``run_plan``, and a DLRM on a routed plan,
+``run_dlrm``); then runs the steps of
 ``tests/_failure_cases.py`` that fail on one device (a device of process 1)
 and writes what each raised in this process.
 """
@@ -165,6 +166,96 @@ def run_plan() -> float:
     return max(float(np.max(np.abs(got[k] - np.asarray(expect[k])))) for k in got)
 
 
+def run_dlrm() -> float:
+    """TorchRec's DLRM (``examples/dlrm.py``: 26 Criteo-shaped tables, dense
+    and over arch, row-wise Adagrad and SGD) on a routed sharding plan over
+    every process's devices (row-wise, table-wise and data-parallel tables,
+    all-to-all routing, ``ShardingPlan.update``), against one local device."""
+    from examples import criteo_synth as synth
+    from examples import dlrm
+
+    mesh = Mesh(np.array(jax.devices()), ("model",))
+    rows = NamedSharding(mesh, P("model"))
+    rep = NamedSharding(mesh, P())
+    dim, batch = 8, 64
+    sizes = synth.table_sizes(scale=1 / 2000, keep=40)
+    coll = dlrm.make_collection(sizes, dim)
+    kinds = {
+        t.name: "row_wise" if t.rows > 1000 else "table_wise" if t.rows > 40
+        else "data_parallel"
+        for t in coll.tables
+    }  # fmt: skip
+    data = synth.CriteoSynth(tuple(sizes), batch, 1, seed=0)
+    raw = [data.batch_at(i) for i in range(2)]
+    batches = [
+        (
+            b.dense,
+            {f: b.padded(1)[k] for k, f in enumerate(coll.features)},
+            b.labels,
+        )
+        for b in raw
+    ]
+    plan = js.sharding.ShardingPlan(
+        coll, mesh, "model", kinds, routing="all_to_all",
+        samples=[ids for _, ids, _ in batches], padding_id=-1,
+    )  # fmt: skip
+    assert set(plan.routing.values()) == {"all_to_all"}, plan.routing
+    init = dlrm.init_params(coll, synth.init_dlrm(sizes, dim, seed=0))
+    tx = dlrm.make_optimizer(0.05, 0.1)
+
+    def loss(lookup, params, dense, ids, labels):
+        emb = lookup.concat(params["emb"], ids, padding_id=-1)
+        emb = emb.reshape(emb.shape[0], len(coll.features), dim)
+        return dlrm.head_loss(params, dense, emb, labels)
+
+    local = jax.local_devices()[0]
+    params = jax.device_put(init, local)
+    state = tx.init(params)
+
+    @jax.jit
+    def one(params, state, dense, ids, labels):
+        g = js.grad(functools.partial(loss, coll))(params, dense, ids, labels)
+        u, state = tx.update(g, state, params)
+        return js.apply_updates(params, u), state
+
+    for dense, ids, labels in batches:
+        params, state = one(params, state, *jax.device_put((dense, ids, labels), local))
+    expect = params
+
+    host = jax.tree.map(np.asarray, init)
+    params = {
+        "emb": plan.shard(host["emb"]),
+        "bottom": [
+            (global_array(w, rep), global_array(b, rep)) for w, b in host["bottom"]
+        ],
+        "top": [(global_array(w, rep), global_array(b, rep)) for w, b in host["top"]],
+    }
+    state = js.sharding.sharded_init(tx, params)
+
+    @jax.jit
+    def step(params, state, dense, ids, labels):
+        g = js.grad(functools.partial(loss, plan))(params, dense, ids, labels)
+        return plan.update(tx, g, state, params)
+
+    for dense, ids, labels in batches:
+        params, state = step(
+            params,
+            state,
+            global_array(dense, rows),
+            {f: global_array(x, rows) for f, x in ids.items()},
+            global_array(labels, rows),
+        )
+    got = multihost_utils.process_allgather(params, tiled=True)
+    emb = plan.unshard(got["emb"])
+    diffs = [float(np.max(np.abs(emb[k] - np.asarray(expect["emb"][k])))) for k in emb]
+    for part in ("bottom", "top"):
+        for a, b in zip(
+            jax.tree.leaves(got[part]), jax.tree.leaves(expect[part]), strict=True
+        ):
+            diffs.append(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))))
+    return max(diffs)
+
+
 def main(port: str, pid: int, nproc: int, out_path: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
@@ -183,6 +274,7 @@ def main(port: str, pid: int, nproc: int, out_path: str) -> None:
         for mode in ("data_parallel", "row_sharded_all_to_all"):
             result[mode] = run(mode)
         result["collection_plan"] = run_plan()
+        result["dlrm_plan"] = run_dlrm()
         # Steps that fail on one device (of process 1): every process raises.
         mesh = Mesh(np.array(jax.devices()), ("model",))
         for case in failures.CASES:

@@ -67,15 +67,22 @@ def state_specs(tx: Any, state: Any, param_specs: Any, other: Any) -> Any:
 
     ``param_specs``: a tree like the params of their ``PartitionSpec`` s or
     ``NamedSharding`` s. A spec standing for a whole state subtree is
-    expanded to its leaves.
+    expanded to its leaves; a parameter an ``optax.masked`` /
+    ``optax.multi_transform`` branch leaves out (``optax.MaskedNode``) keeps
+    its empty subtree.
     """
+    masked = optax.MaskedNode
+
+    def spec_of(x, s):
+        return x if isinstance(x, masked) else s
+
     specs = optax.tree_utils.tree_map_params(
         tx,
-        lambda _, s: s,
+        spec_of,
         state,
         param_specs,
         transform_non_params=lambda _: other,
-        is_leaf=lambda x: isinstance(x, P | NamedSharding),
+        is_leaf=lambda x: isinstance(x, P | NamedSharding | masked),
     )
 
     def expand(spec, sub):

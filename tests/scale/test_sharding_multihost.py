@@ -2,7 +2,8 @@
 
 Both processes run ``tests/_multihost_worker.py`` (data parallel, then a
 row-sharded table with all-to-all routing, then an embedding collection on a
-sharding plan) over one 8-device mesh and compare
+sharding plan, then a DLRM step on a plan routed all-to-all) over one
+8-device mesh and compare
 with a single-device reference; then steps whose check fails on one device of
 process 1 (``tests/_failure_cases.py``), which must raise in both processes.
 The test ends by itself: every wait has a timeout and the children are killed
@@ -72,6 +73,7 @@ def test_two_processes_four_devices_each(tmp_path):
         assert result["data_parallel"] < 1e-5, result
         assert result["row_sharded_all_to_all"] < 1e-5, result
         assert result["collection_plan"] < 1e-5, result
+        assert result["dlrm_plan"] < 1e-5, result
     # A check that fails on one device (of process 1) raises in both processes,
     # with the same message, and leaves no collective waiting: both went on to
     # run a correct step, with the same result.
