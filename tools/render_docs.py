@@ -87,6 +87,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "2026-11-cpu-donation/step_bench_cpu.json",
         "2026-11-cpu-donation-rerun/step_bench_cpu.json",
     ),
+    "scale-out-plans": ("2026-11-cpu-plans/plan_scale_bench_cpu.json",),
 }
 
 _BLOCK = re.compile(
@@ -680,6 +681,83 @@ def donation() -> str:
     )
 
 
+def scale_out_plans() -> str:
+    """docs/scale_out.md: per-device rows and bytes of every plan, 2 to n devices."""
+    (name,) = SOURCES["scale-out-plans"]
+    d = load(name)
+    w, devices = d["workload"], d["devices"]
+    lo, hi = devices[0], devices[-1]
+    shown = "rowwise_adagrad"
+    rows = [r for r in d["rows"] if r["optimizer"] == shown]
+    out = [
+        f"Measured on {d['nproc']} CPU cores ({d['cpu']}) standing in for "
+        f"{', '.join(map(str, devices))} devices, jax {d['jax']}: "
+        f"{w['batch_per_device']} examples per device; 8 tables of "
+        f"{w['rows'] // 8:,} x {w['dim']} (one id per example and table) or one "
+        f"table of {w['rows']:,} x {w['dim']} (bags of 8 ids); {w['ids']} ids; "
+        f"all-to-all capacities {w['capacity']}. Row-wise Adagrad (every "
+        "optimizer below). Per device and step: table and optimizer-state rows "
+        "read, and KB moved by collectives.",
+        "",
+    ]
+    head = ["plan", "routing"]
+    head += [f"rows, {n} dev." for n in devices] + [f"KB, {n} dev." for n in devices]
+    head += [f"{hi} / {lo} dev. (rows, KB)"]
+    out += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    keys = []
+    for r in rows:
+        if (r["plan"], r["routing"]) not in keys:
+            keys.append((r["plan"], r["routing"]))
+    for plan, routing in keys:
+        by_n = {
+            r["devices"]: r
+            for r in rows
+            if (r["plan"], r["routing"]) == (plan, routing)
+        }
+        cells = [plan.replace("_", "-"), routing.replace("_", "-")]
+        cells += [f"{by_n[n]['gathered_rows']:,}" for n in devices]
+        cells += [f"{by_n[n]['comm_bytes'] / 1024:,.0f}" for n in devices]
+        g = by_n[hi]["gathered_rows"] / by_n[lo]["gathered_rows"]
+        c = by_n[hi]["comm_bytes"] / by_n[lo]["comm_bytes"]
+        cells.append(f"{g:.2f}x, {c:.2f}x")
+        out.append("| " + " | ".join(cells) + " |")
+    goal = {k: v for k, v in d["goal"].items()}
+    worst_g = max(v["gathered_rows"] for v in goal.values())
+    worst_c = max(v["comm_bytes"] for v in goal.values())
+    met = all(v["met"] for v in goal.values())
+    optimizers = sorted({k.split(" / ")[1] for k in goal})
+    kinds = sorted({k.split(" / ")[0] for k in goal})
+    out += [
+        "",
+        f"Every optimizer ({', '.join(optimizers)}), all-to-all routing, 8 over 2 "
+        "devices (rows, KB):",
+        "",
+        "| plan | " + " | ".join(optimizers) + " |",
+        "|" + " --- |" * (len(optimizers) + 1),
+    ]
+    for kind in kinds:
+        cells = [kind.replace("_", "-")]
+        for opt in optimizers:
+            v = goal[f"{kind} / {opt}"]
+            cells.append(f"{v['gathered_rows']:.2f}x, {v['comm_bytes']:.2f}x")
+        out.append("| " + " | ".join(cells) + " |")
+    verdict = "met" if met else "missed"
+    out += [
+        "",
+        f"Goal (issue 29): per-device rows and bytes at 8 devices within 1.25x of 2 "
+        f"devices for row-wise and table-wise plans: **{verdict}** for every "
+        f"optimizer (the largest ratios: {worst_g:.2f}x rows, {worst_c:.2f}x bytes; "
+        "masked routing: the global batch's 4x).",
+        "",
+        f"Command (results in `benchmarks/results/{name.split('/')[0]}/`):",
+        "",
+        "    XLA_FLAGS=--xla_force_host_platform_device_count="
+        f"{max(devices)} python benchmarks/plan_scale_bench.py --devices "
+        f"{' '.join(map(str, devices))} --out benchmarks/results/{name.split('/')[0]}",
+    ]
+    return "\n".join(out) + "\n"
+
+
 def results_sources() -> str:
     """benchmarks/results/README.md: which run each generated block quotes."""
     lines = ["| block | quoted in | results files |", "| --- | --- | --- |"]
@@ -707,6 +785,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "design-coalesce": design_coalesce,
     "optimizer-floor": optimizer_floor,
     "donation": donation,
+    "scale-out-plans": scale_out_plans,
 }
 
 

@@ -75,3 +75,32 @@ def test_needed_capacity(monkeypatch):
     # 2 devices (2 rows of ids each), rows 0-3 on shard 0, 4-7 on shard 1:
     # device 0 has {0, 1} -> shard 0 (2) and {5} -> shard 1; device 1: {4,5,6,7}.
     assert scale_bench.needed_capacity(ids, 2, 8) == 4
+
+
+def test_plan_scale_bench_smoke(monkeypatch, tmp_path):
+    """benchmarks/plan_scale_bench.py end to end, tiny: every row's figures
+    come from the HLO, and all-to-all moves less than masked at 4 devices."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("plan_scale_bench", None)
+    bench = importlib.import_module("plan_scale_bench")
+    args = bench.parse(
+        [
+            "--devices", "2", "4", "--rows", "8192", "--dim", "4", "--batch", "32",
+            "--plans", "row_wise", "table_wise", "--optimizers", "sgd",
+            "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    report = bench.main(args)
+    keys = {(r["plan"], r["routing"], r["devices"]) for r in report["rows"]}
+    plans = ("row_wise", "table_wise", "row_wise (1 table)")
+    assert keys == {
+        (p, r, n) for p in plans for r in ("masked", "all_to_all") for n in (2, 4)
+    }
+    for r in report["rows"]:
+        assert math.isfinite(r["loss"]) and r["gathered_rows"] > 0, r
+        assert r["comm_bytes"] > 0 and r["model_comm_bytes"] > 0, r
+    at4 = {(r["plan"], r["routing"]): r for r in report["rows"] if r["devices"] == 4}
+    for p in plans:
+        assert at4[p, "all_to_all"]["comm_bytes"] < at4[p, "masked"]["comm_bytes"]
+    saved = json.loads((tmp_path / "plan_scale_bench_cpu.json").read_text())
+    assert saved["table"] == report["table"] and saved["ratios"]
