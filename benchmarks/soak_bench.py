@@ -16,8 +16,11 @@ resident set size (``/proc/self/statm``) every ``--every`` steps, after the
 step's result is ready, and the wall time of those steps. Reported per run:
 the growth from step ``--baseline-step`` (default 500: compilation, first
 allocations and the allocator's warm-up are over by then) to the last step,
-the largest excursion above the baseline in between, and whether the growth
-is within ``--tolerance-mb`` (default 1 MB).
+the largest excursions above and below the baseline in between, the
+least-squares slope (MB per 1000 steps: a leak climbs steadily, while the
+allocator moves in one-off steps, up or down, as it takes or returns pages),
+and ``no_growth``: the growth is at most ``--tolerance-mb`` (default 1 MB; a
+shrink is not a leak).
 
 Run: ``python benchmarks/soak_bench.py --out benchmarks/results/<yyyy-mm>-cpu``
 (writes ``soak_bench_cpu.json`` and ``.png``).
@@ -157,7 +160,9 @@ def _run(mode: str, optimizer: str, a: dict[str, Any], bar: Any) -> dict[str, An
         "rss_end_mb": samples[-1]["rss_mb"],
         "growth_mb": growth,
         "max_above_baseline_mb": max(after) - base["rss_mb"],
-        "flat": abs(growth) <= a["tolerance_mb"],
+        "min_below_baseline_mb": base["rss_mb"] - min(after),
+        "slope_mb_per_1k_steps": _slope(samples, base["step"]),
+        "no_growth": growth <= a["tolerance_mb"],
         "median_ms_per_step": float(np.median([s["ms_per_step"] for s in samples])),
         "load_avg_1m": {"before": load, "after": os.getloadavg()[0]},
         **{k: start[k] for k in ("custom_calls", "JAXSLICES_NATIVE", "jaxslices_file")},
@@ -201,7 +206,7 @@ def main(
         "command": command,
         "settings": {k: x for k, x in a.items() if k not in ("command", "out", "plot")},
         "environment": env,
-        "all_flat": all(r["flat"] for r in runs),
+        "no_growth": all(r["no_growth"] for r in runs),
         "runs": runs,
     }
     report["table"] = markdown(runs)
@@ -211,7 +216,7 @@ def main(
         save_plot(runs, str(saved.with_suffix(".png")), env, a)
     print(
         f"soak_bench: V = {num_rows:,}, {steps} donated steps; resident memory "
-        f"from step {baseline_step} to the end (flat: within {tolerance_mb} MB)"
+        f"from step {baseline_step} to the end (no growth: at most {tolerance_mb} MB)"
     )
     print(report["table"])
     return report
@@ -220,17 +225,29 @@ def main(
 def markdown(runs: list[dict]) -> str:
     lines = [
         "| mode | optimizer | RSS at baseline MB | growth MB | max above MB "
-        "| flat | ms / step | table in place |",
-        "|" + " --- |" * 8,
+        "| max below MB | MB / 1000 steps | no growth | ms / step | table in place |",
+        "|" + " --- |" * 10,
     ]
     for r in runs:
         lines.append(
             f"| {r['mode']} | {r['optimizer']} | {r['rss_baseline_mb']:.1f} "
             f"(step {r['baseline_step']}) | {r['growth_mb']:+.2f} | "
-            f"{r['max_above_baseline_mb']:.2f} | {'yes' if r['flat'] else 'NO'} | "
+            f"{r['max_above_baseline_mb']:.2f} | {r['min_below_baseline_mb']:.2f} | "
+            f"{r['slope_mb_per_1k_steps']:+.3f} | "
+            f"{'yes' if r['no_growth'] else 'NO'} | "
             f"{r['median_ms_per_step']:.2f} | {r['table_in_place']} |"
         )
     return "\n".join(lines)
+
+
+def _slope(samples: list[dict], start: int) -> float:
+    """Least-squares slope of RSS over steps from ``start`` (MB per 1000 steps):
+    a leak climbs steadily, the allocator's one-off steps do not."""
+    pts = [(s["step"], s["rss_mb"]) for s in samples if s["step"] >= start]
+    if len(pts) < 2:
+        return 0.0
+    x, y = np.asarray(pts, np.float64).T
+    return float(np.polyfit(x, y, 1)[0] * 1000)
 
 
 def save_plot(runs: list[dict], path: str, env: dict, a: dict) -> None:

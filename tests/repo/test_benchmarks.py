@@ -408,6 +408,7 @@ def test_soak_bench_smoke(bench, tmp_path):
     for run in report["runs"]:
         assert [s["step"] for s in run["samples"]] == [10, 20, 30, 40]
         assert run["baseline_step"] == 20 and math.isfinite(run["growth_mb"])
+        assert math.isfinite(run["slope_mb_per_1k_steps"])
         assert math.isfinite(run["final_loss"]) and run["table_in_place"]
     saved = json.loads((tmp_path / "soak_bench_cpu.json").read_text())
     assert saved["table"] == report["table"]
