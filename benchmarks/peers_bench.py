@@ -85,7 +85,7 @@ def worker(a: argparse.Namespace) -> None:
     """One jaxslices configuration: build, check, warm up, then serve ``run K``."""
     import jax
     import jax.numpy as jnp
-    from _common import custom_call_targets, peers_optimizer, peers_step
+    from _common import custom_call_targets, peers_optimizer, peers_step, rss_mb
 
     import jaxslices as js
 
@@ -108,13 +108,12 @@ def worker(a: argparse.Namespace) -> None:
             params, state, ids[i % len(ids)], ys[i % len(ys)]
         )
         i += 1
-        return float(loss)  # blocks on the step
+        jax.block_until_ready((params, state))  # the whole step, not the loss
+        return float(loss)
 
     check = [step() for _ in range(a.check_steps)]
     for _ in range(a.warmup):
         step()
-    from _common import rss_mb
-
     info = {
         "ready": True,
         "check_losses": check,
@@ -167,27 +166,24 @@ class Worker:
         )
         self.info: dict[str, Any] = {}
 
+    def _reply(self, what: str) -> dict[str, Any]:
+        """The worker's next JSON line (other lines on its stdout are skipped)."""
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        self.proc.kill()
+        self.close()
+        tail = self.log_path.read_text()[-3000:]
+        raise RuntimeError(f"worker {self.name} {what} ({self.cmd}):\n{tail}")
+
     def ready(self) -> dict[str, Any]:
-        line = self.proc.stdout.readline()
-        if not line.startswith("{"):
-            self.proc.kill()
-            self.close()
-            tail = self.log_path.read_text()[-3000:]
-            raise RuntimeError(f"worker {self.name} failed ({self.cmd}):\n{tail}")
-        self.info = json.loads(line)
+        self.info = self._reply("failed to start")
         return self.info
 
     def run(self, n: int) -> dict[str, Any]:
         self.proc.stdin.write(f"run {n}\n")
         self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line.startswith("{"):
-            self.proc.kill()
-            self.close()
-            raise RuntimeError(
-                f"worker {self.name} died:\n{self.log_path.read_text()[-3000:]}"
-            )
-        return json.loads(line)
+        return self._reply("died")
 
     def close(self) -> None:
         try:
