@@ -204,6 +204,23 @@ def hash_dedup(ids, rows, num_rows: int, load: int = 4):
     return from_representatives(rep, safe, valid, rows, num_rows)
 
 
+# glibc's malloc serves blocks over 32 MB (its largest mmap threshold), and
+# blocks too large for a thread arena's heap, with fresh pages from the kernel
+# and returns them on free: an XLA:CPU step whose temporaries exceed that pays
+# a page fault per page touched, every step. These settings (one arena, no
+# trimming) keep freed memory in the process (dlrm_bench.py, peers_bench.py and
+# soak_bench.py, ``--keep-freed-memory``: both sides run with them). An
+# explicit mmap threshold also turns off glibc's dynamic one, which otherwise
+# moves as blocks are freed, so a step's temporaries may come from fresh pages
+# or from the heap depending on the process's history.
+MALLOC_ENV = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 31),
+    "MALLOC_TOP_PAD_": str(1 << 28),
+}
+
+
 # ------------------------------------------- the peers workload (issue 31)
 # ``peers_bench.py`` (against FBGEMM) and ``soak_bench.py`` train the same
 # step: one ``V x 64`` float32 table, 1024 bags x 16 Zipf ids, mean pooling,
@@ -306,6 +323,13 @@ def custom_call_targets(compiled: Any) -> list[str]:
 
     text = compiled.as_text()
     return sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
+
+
+def page_faults() -> int:
+    """Page faults (minor + major) of this process so far: a step whose
+    temporaries come from fresh pages pays one per page touched."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_minflt + r.ru_majflt
 
 
 def cpu_seconds() -> float:

@@ -33,11 +33,23 @@ started, builds, checks its first losses and warms up; then ``--rounds``
 rounds, the configurations taking turns in a shuffled order each round
 (slow phases of a shared machine hit all alike; the idle ones wait on a
 pipe), each turn one untimed and ``--steps`` timed steps. Per configuration:
-the median step time over all timed steps (wall), and the median over rounds
+the median step time over all timed steps (wall), and the medians over rounds
 of the CPU time per step (user + system of the worker, every thread: wall x
-cores busy). Ratios are to ``fbgemm_1thread``, which stays stable under load
-where FBGEMM with 2 threads does not. The load average is recorded before
-every round.
+cores busy) and of the page faults per step. Ratios are to
+``fbgemm_1thread``, which stays stable under load where FBGEMM with 2 threads
+does not. The whole sweep runs ``--repeats`` times (fresh workers each
+time, so that another phase of the machine's load is sampled); the report
+gives the median over repeats of each median and of each ratio measured
+within one repeat, and every repeat's values. The load average is recorded
+before every round.
+
+Memory: with glibc's defaults a step whose temporaries are served by fresh
+pages pays a page fault per page, every step; whether it does depends on
+glibc's dynamic mmap threshold, i.e. on the process's history, so the same
+step can take two different times in two processes.
+``--keep-freed-memory`` runs every worker (both sides) with
+``_common.MALLOC_ENV`` (one arena, a fixed mmap threshold, no trimming), the
+setting ``dlrm_bench.py`` uses too.
 
 Run: ``python benchmarks/peers_bench.py --torchrec-python
 .venv-torchrec/bin/python --out benchmarks/results/<yyyy-mm>-cpu-peers``
@@ -59,11 +71,13 @@ from typing import Any
 
 import numpy as np
 from _common import (
+    MALLOC_ENV,
     PEERS_HPARAMS,
     PEERS_OPTIMIZERS,
     cpu_seconds,
     environment,
     fmt_ratio,
+    page_faults,
     peers_data,
     progress,
     save_json,
@@ -137,13 +151,17 @@ def worker(a: argparse.Namespace) -> None:
             break
         n = int(words[1])
         step()  # untimed: the first step after another process ran
-        times, c0 = [], cpu_seconds()
+        times, c0, f0 = [], cpu_seconds(), page_faults()
         for _ in range(n):
             t = time.perf_counter()
             step()
             times.append(time.perf_counter() - t)
-        cpu = 1e3 * (cpu_seconds() - c0) / n
-        out = {"times": times, "cpu_ms": cpu, "rss_mb": rss_mb()["rss_mb"]}
+        out = {
+            "times": times,
+            "cpu_ms": 1e3 * (cpu_seconds() - c0) / n,
+            "faults": (page_faults() - f0) / n,
+            "rss_mb": rss_mb()["rss_mb"],
+        }
         print(json.dumps(out), flush=True)
 
 
@@ -216,6 +234,8 @@ def _start(
         ]  # fmt: skip
         env = {**os.environ, "JAXSLICES_NATIVE": NATIVE_ENV[config]}
         env["JAX_PLATFORMS"] = "cpu"  # FBGEMM runs on the CPU: so does JAX
+    if a["keep_freed_memory"]:
+        env.update(MALLOC_ENV)
     return Worker(config, cmd, env, log)
 
 
@@ -251,6 +271,7 @@ def _group(
     times: dict[str, list[float]] = {c: [] for c in configs}
     cpu: dict[str, list[float]] = {c: [] for c in configs}
     busy: dict[str, list[float]] = {c: [] for c in configs}
+    faults: dict[str, list[float]] = {c: [] for c in configs}
     loads = []
     try:
         info = {c: w.ready() for c, w in workers.items()}
@@ -265,6 +286,7 @@ def _group(
                 times[c] += ms
                 cpu[c].append(r["cpu_ms"])
                 busy[c].append(r["cpu_ms"] / float(np.mean(ms)))
+                faults[c].append(r["faults"])
                 info[c]["rss_mb_last"] = round(r["rss_mb"], 1)
                 if bar is not None:
                     bar.update(1)
@@ -291,6 +313,7 @@ def _group(
                 "steps_timed": int(t.size),
                 "cpu_ms": med_cpu,
                 "cores_busy": float(np.median(busy[c])),
+                "page_faults_per_step": float(np.median(faults[c])),
                 f"ratio_to_{ref}": med / base,
                 f"cpu_ratio_to_{ref}": med_cpu / base_cpu,
                 "check_losses": check[c],
@@ -308,6 +331,42 @@ def _group(
     return {"rows": rows, "workers": described, "loads": loads}
 
 
+def _key(row: dict) -> tuple:
+    return row["num_rows"], row["optimizer"], row["config"]
+
+
+def _combine(runs: list[dict], ref: str) -> dict[str, Any]:
+    """One configuration over the repeats: medians of each repeat's medians
+    (ratios: of the ratios measured within each repeat)."""
+    med = ("median_ms", "p25_ms", "p75_ms", "cpu_ms", "cores_busy")
+    med += ("page_faults_per_step", f"ratio_to_{ref}", f"cpu_ratio_to_{ref}")
+    per_run = ("median_ms", "cpu_ms", f"ratio_to_{ref}", f"cpu_ratio_to_{ref}")
+    first = runs[0]
+    return {
+        "num_rows": first["num_rows"],
+        "optimizer": first["optimizer"],
+        "config": first["config"],
+        **{k: float(np.median([r[k] for r in runs])) for k in med},
+        "min_ms": min(r["min_ms"] for r in runs),
+        "max_ms": max(r["max_ms"] for r in runs),
+        "steps_timed": sum(r["steps_timed"] for r in runs),
+        "check_losses": first["check_losses"],
+        "check": max((r["check"] for r in runs), key=lambda c: c["max_rel_diff"]),
+        "load_avg_1m": {
+            "min": min(r["load_avg_1m"]["min"] for r in runs),
+            "max": max(r["load_avg_1m"]["max"] for r in runs),
+        },
+        "repeats": [
+            {
+                "repeat": r["repeat"],
+                **{k: r[k] for k in per_run},
+                "load_avg_1m": r["load_avg_1m"],
+            }
+            for r in runs
+        ],  # fmt: skip
+    }
+
+
 def main(
     num_rows: tuple[int, ...] = (131072, 1048576),
     optimizers: tuple[str, ...] = PEERS_OPTIMIZERS,
@@ -319,9 +378,11 @@ def main(
     num_batches: int = 20,
     steps: int = 40,
     rounds: int = 8,
+    repeats: int = 3,
     check_steps: int = 3,
     warmup: int = 3,
     seed: int = 0,
+    keep_freed_memory: bool = False,
     out: str | None = None,
     tag: str = "",
     plot: bool = True,
@@ -331,23 +392,28 @@ def main(
     if not torchrec_python:
         configs = tuple(c for c in configs if c not in FBGEMM_THREADS)
     ref = REFERENCE if REFERENCE in configs else configs[0]
-    turns = len(num_rows) * len(optimizers) * rounds * len(configs)
+    turns = repeats * len(num_rows) * len(optimizers) * rounds * len(configs)
     bar = progress(turns, "peers_bench")
     loads: list[float] = [os.getloadavg()[0]]
-    rows, workers_info = [], {}
+    runs, workers_info = [], {}
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory(prefix="peers_bench_") as tmp:
-        for v in num_rows:
-            path = Path(tmp) / f"data_{v}.npz"
+        paths = {v: Path(tmp) / f"data_{v}.npz" for v in num_rows}
+        for v, path in paths.items():
             np.savez(path, **peers_data(v, dim, batch, bag, num_batches, seed))
-            for opt in optimizers:
-                group = _group(v, opt, path, configs, ref, a, rng, bar)
-                rows += group["rows"]
-                workers_info.update(group["workers"])
-                loads += group["loads"]
-            path.unlink()
+        for rep in range(repeats):  # the whole sweep again: another load phase
+            for v, path in paths.items():
+                for opt in optimizers:
+                    group = _group(v, opt, path, configs, ref, a, rng, bar)
+                    runs += [{**r, "repeat": rep} for r in group["rows"]]
+                    workers_info.update(group["workers"])
+                    loads += group["loads"]
     if bar is not None:
         bar.close()
+    rows = [
+        _combine([r for r in runs if _key(r) == key], ref)
+        for key in dict.fromkeys(_key(r) for r in runs)
+    ]
     loads.append(os.getloadavg()[0])
     env = environment()
     report = {
@@ -368,7 +434,7 @@ def main(
             "max": max(loads),
         },
         "rows": rows,
-        "workers": workers_info,
+        "workers": workers_info,  # the last repeat's workers
     }
     report["losses_agree"] = all(r["check"]["agree"] for r in rows)
     report["table"] = markdown(rows, configs, ref)
@@ -483,9 +549,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-batches", type=int, default=20)
     p.add_argument("--steps", type=int, default=40, help="timed steps per turn")
     p.add_argument("--rounds", type=int, default=8, help="turns per configuration")
+    p.add_argument(
+        "--repeats", type=int, default=3,
+        help="sweeps over every (V, optimizer), fresh workers each time",
+    )  # fmt: skip
     p.add_argument("--check-steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="run every worker with _common.MALLOC_ENV (glibc keeps freed memory)",
+    )
     p.add_argument("--out", default=None, help="folder for peers_bench_cpu.json/.png")
     p.add_argument("--tag", default="", help="appended to the files' names")
     # the jaxslices worker (started by the parent; not for the command line)
@@ -511,9 +586,11 @@ if __name__ == "__main__":
             num_batches=args.num_batches,
             steps=args.steps,
             rounds=args.rounds,
+            repeats=args.repeats,
             check_steps=args.check_steps,
             warmup=args.warmup,
             seed=args.seed,
+            keep_freed_memory=args.keep_freed_memory,
             out=args.out,
             tag=args.tag,
             command="python " + " ".join(shlex.quote(x) for x in sys.argv),

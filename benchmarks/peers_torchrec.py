@@ -16,8 +16,8 @@ bounds check of the ids stays at FBGEMM's default (``WARNING``).
 runs ``--check-steps`` steps on batches 0, 1, ... (their losses are compared
 with jaxslices'), warms up, prints one JSON line, then answers each
 ``run K`` line on stdin with one JSON line: the K step times (seconds) after
-one untimed step, and the CPU milliseconds per step (user + system, every
-thread) of those K. Alone it prints its median step time.
+one untimed step, the CPU milliseconds per step (user + system, every
+thread) and the page faults per step of those K. Alone it prints its median step time.
 
 The install that works on CPU is in ``benchmarks/README.md``.
 """
@@ -108,6 +108,11 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _faults() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_minflt + r.ru_majflt
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help=".npz from peers_bench.py")
@@ -160,16 +165,18 @@ def main(argv=None):
                 break
             n = int(words[1])
             r.step()  # untimed: the first step after another process ran
-            times, c0 = [], _cpu_s()
+            times, c0, f0 = [], _cpu_s(), _faults()
             for _ in range(n):
                 t = time.perf_counter()
                 r.step()
                 times.append(time.perf_counter() - t)
-            cpu = 1e3 * (_cpu_s() - c0) / n
-            print(
-                json.dumps({"times": times, "cpu_ms": cpu, "rss_mb": _rss_mb()}),
-                flush=True,
-            )
+            out = {
+                "times": times,
+                "cpu_ms": 1e3 * (_cpu_s() - c0) / n,
+                "faults": (_faults() - f0) / n,
+                "rss_mb": _rss_mb(),
+            }
+            print(json.dumps(out), flush=True)
         return
     times = []
     for _ in range(a.steps):

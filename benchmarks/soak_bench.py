@@ -15,12 +15,17 @@ until it exists, the XLA path again), JAX on the CPU. The child records its
 resident set size (``/proc/self/statm``) every ``--every`` steps, after the
 step's result is ready, and the wall time of those steps. Reported per run:
 the growth from step ``--baseline-step`` (default 500: compilation, first
-allocations and the allocator's warm-up are over by then) to the last step,
-the largest excursions above and below the baseline in between, the
-least-squares slope (MB per 1000 steps: a leak climbs steadily, while the
-allocator moves in one-off steps, up or down, as it takes or returns pages),
-and ``no_growth``: the growth is at most ``--tolerance-mb`` (default 1 MB; a
-shrink is not a leak).
+allocations and the allocator's warm-up are over by then) to the last step
+(``no_growth``: at most ``--tolerance-mb``, default 1 MB; a shrink is not a
+leak), the largest excursions above and below the baseline, the one-off
+jumps between two samples (``--tolerance-mb`` or more), and the steady
+growth: the median change between two samples times the number of
+intervals. A leak adds memory at every interval and shows in the steady
+growth (``no_steady_growth``); glibc's malloc, with its dynamic mmap
+threshold, moves in one-off jumps, often of the size of the step's
+temporaries (``temp_mb``), taken from or returned to the system once.
+``--keep-freed-memory`` runs the children with ``_common.MALLOC_ENV`` (a
+fixed mmap threshold, no trimming), which removes those jumps.
 
 Run: ``python benchmarks/soak_bench.py --out benchmarks/results/<yyyy-mm>-cpu``
 (writes ``soak_bench_cpu.json`` and ``.png``).
@@ -39,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import PEERS_OPTIMIZERS, environment, progress, save_json
+from _common import MALLOC_ENV, PEERS_OPTIMIZERS, environment, progress, save_json
 
 MODES = ("xla", "native")
 NATIVE_ENV = {"xla": "0", "native": "1"}
@@ -70,6 +75,7 @@ def child(a: argparse.Namespace) -> None:
     ys = [jnp.asarray(x) for x in data["y"]]
     del data
     compiled = peers_step(tx).lower(params, state, ids[0], ys[0]).compile()
+    temp_mb = compiled.memory_analysis().temp_size_in_bytes / 2**20
     table_ptr = params["emb"].unsafe_buffer_pointer()
     print(
         json.dumps(
@@ -77,6 +83,7 @@ def child(a: argparse.Namespace) -> None:
                 "kind": "start",
                 "rss_mb": rss_mb()["rss_mb"],
                 "custom_calls": custom_call_targets(compiled),
+                "temp_mb": temp_mb,
                 "JAXSLICES_NATIVE": os.environ.get("JAXSLICES_NATIVE"),
                 "jaxslices_file": js.__file__,
                 "jax": jax.__version__,
@@ -128,6 +135,8 @@ def _run(mode: str, optimizer: str, a: dict[str, Any], bar: Any) -> dict[str, An
         f"--steps={a['steps']}", f"--every={a['every']}", f"--seed={a['seed']}",
     ]  # fmt: skip
     env = {**os.environ, "JAXSLICES_NATIVE": NATIVE_ENV[mode], "JAX_PLATFORMS": "cpu"}
+    if a["keep_freed_memory"]:
+        env.update(MALLOC_ENV)
     load = os.getloadavg()[0]
     start, samples, end = None, [], None
     with subprocess.Popen(
@@ -149,9 +158,19 @@ def _run(mode: str, optimizer: str, a: dict[str, Any], bar: Any) -> dict[str, An
     if proc.returncode or start is None or end is None:
         raise RuntimeError(f"soak child {mode}/{optimizer} failed:\n{err[-3000:]}")
     base = next((s for s in samples if s["step"] >= a["baseline_step"]), samples[0])
-    after = [s["rss_mb"] for s in samples if s["step"] >= base["step"]]
-    growth = samples[-1]["rss_mb"] - base["rss_mb"]
-    return {
+    after = [s for s in samples if s["step"] >= base["step"]]
+    rss = np.asarray([s["rss_mb"] for s in after])
+    deltas = np.diff(rss)
+    growth = float(rss[-1] - rss[0])
+    # A leak adds memory at every interval; the allocator moves in one-off
+    # steps (often the size of the step's temporaries, taken or returned).
+    steady = float(np.median(deltas) * len(deltas)) if len(deltas) else 0.0
+    jumps = [
+        {"step": s["step"], "mb": round(float(d), 2)}
+        for s, d in zip(after[1:], deltas, strict=True)
+        if abs(d) >= a["tolerance_mb"]
+    ]
+    result = {
         "mode": mode,
         "optimizer": optimizer,
         "baseline_step": base["step"],
@@ -159,10 +178,13 @@ def _run(mode: str, optimizer: str, a: dict[str, Any], bar: Any) -> dict[str, An
         "rss_baseline_mb": base["rss_mb"],
         "rss_end_mb": samples[-1]["rss_mb"],
         "growth_mb": growth,
-        "max_above_baseline_mb": max(after) - base["rss_mb"],
-        "min_below_baseline_mb": base["rss_mb"] - min(after),
-        "slope_mb_per_1k_steps": _slope(samples, base["step"]),
+        "steady_growth_mb": steady,
+        "max_above_baseline_mb": float(rss.max() - rss[0]),
+        "min_below_baseline_mb": float(rss[0] - rss.min()),
+        "jumps": jumps,
+        "temp_mb": start["temp_mb"],
         "no_growth": growth <= a["tolerance_mb"],
+        "no_steady_growth": steady <= a["tolerance_mb"],
         "median_ms_per_step": float(np.median([s["ms_per_step"] for s in samples])),
         "load_avg_1m": {"before": load, "after": os.getloadavg()[0]},
         **{k: start[k] for k in ("custom_calls", "JAXSLICES_NATIVE", "jaxslices_file")},
@@ -170,6 +192,7 @@ def _run(mode: str, optimizer: str, a: dict[str, Any], bar: Any) -> dict[str, An
         "samples": samples,
         "command": " ".join(shlex.quote(x) for x in cmd[1:]),
     }
+    return result
 
 
 def main(
@@ -185,6 +208,7 @@ def main(
     baseline_step: int = 500,
     tolerance_mb: float = 1.0,
     seed: int = 0,
+    keep_freed_memory: bool = False,
     out: str | None = None,
     tag: str = "",
     plot: bool = True,
@@ -207,6 +231,7 @@ def main(
         "settings": {k: x for k, x in a.items() if k not in ("command", "out", "plot")},
         "environment": env,
         "no_growth": all(r["no_growth"] for r in runs),
+        "no_steady_growth": all(r["no_steady_growth"] for r in runs),
         "runs": runs,
     }
     report["table"] = markdown(runs)
@@ -224,30 +249,19 @@ def main(
 
 def markdown(runs: list[dict]) -> str:
     lines = [
-        "| mode | optimizer | RSS at baseline MB | growth MB | max above MB "
-        "| max below MB | MB / 1000 steps | no growth | ms / step | table in place |",
-        "|" + " --- |" * 10,
+        "| mode | optimizer | RSS at baseline MB | growth MB | steady growth MB "
+        "| one-off jumps (step: MB) | temp MB | ms / step | table in place |",
+        "|" + " --- |" * 9,
     ]
     for r in runs:
+        jumps = ", ".join(f"{j['step']}: {j['mb']:+.2f}" for j in r["jumps"]) or "-"
         lines.append(
             f"| {r['mode']} | {r['optimizer']} | {r['rss_baseline_mb']:.1f} "
             f"(step {r['baseline_step']}) | {r['growth_mb']:+.2f} | "
-            f"{r['max_above_baseline_mb']:.2f} | {r['min_below_baseline_mb']:.2f} | "
-            f"{r['slope_mb_per_1k_steps']:+.3f} | "
-            f"{'yes' if r['no_growth'] else 'NO'} | "
+            f"{r['steady_growth_mb']:+.2f} | {jumps} | {r['temp_mb']:.2f} | "
             f"{r['median_ms_per_step']:.2f} | {r['table_in_place']} |"
         )
     return "\n".join(lines)
-
-
-def _slope(samples: list[dict], start: int) -> float:
-    """Least-squares slope of RSS over steps from ``start`` (MB per 1000 steps):
-    a leak climbs steadily, the allocator's one-off steps do not."""
-    pts = [(s["step"], s["rss_mb"]) for s in samples if s["step"] >= start]
-    if len(pts) < 2:
-        return 0.0
-    x, y = np.asarray(pts, np.float64).T
-    return float(np.polyfit(x, y, 1)[0] * 1000)
 
 
 def save_plot(runs: list[dict], path: str, env: dict, a: dict) -> None:
@@ -307,6 +321,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-step", type=int, default=500)
     p.add_argument("--tolerance-mb", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="run the children with _common.MALLOC_ENV (glibc keeps freed memory)",
+    )
     p.add_argument("--out", default=None, help="folder for soak_bench_cpu.json/.png")
     p.add_argument("--tag", default="", help="appended to the files' names")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -333,6 +352,7 @@ if __name__ == "__main__":
             baseline_step=args.baseline_step,
             tolerance_mb=args.tolerance_mb,
             seed=args.seed,
+            keep_freed_memory=args.keep_freed_memory,
             out=args.out,
             tag=args.tag,
             command="python " + " ".join(shlex.quote(x) for x in sys.argv),
