@@ -43,13 +43,12 @@ gives the median over repeats of each median and of each ratio measured
 within one repeat, and every repeat's values. The load average is recorded
 before every round.
 
-Memory: with glibc's defaults a step whose temporaries are served by fresh
-pages pays a page fault per page, every step; whether it does depends on
-glibc's dynamic mmap threshold, i.e. on the process's history, so the same
-step can take two different times in two processes.
+Memory: with glibc's defaults, temporaries above its mmap threshold come
+from fresh pages and cost a page fault per page touched, every step (what
+``dlrm_bench.py`` found for 50-90 MB of XLA:CPU temporaries). Each worker
+records its page faults per step (``page_faults_per_step``);
 ``--keep-freed-memory`` runs every worker (both sides) with
-``_common.MALLOC_ENV`` (one arena, a fixed mmap threshold, no trimming), the
-setting ``dlrm_bench.py`` uses too.
+``_common.MALLOC_ENV`` (one arena, a fixed mmap threshold, no trimming).
 
 Run: ``python benchmarks/peers_bench.py --torchrec-python
 .venv-torchrec/bin/python --out benchmarks/results/<yyyy-mm>-cpu-peers``

@@ -11,21 +11,23 @@ count.
 Each (mode, optimizer) runs in its own child process (a fresh process: its
 memory is its own): mode ``xla`` with ``JAXSLICES_NATIVE=0`` (jaxslices' XLA
 path), ``native`` with ``JAXSLICES_NATIVE=1`` (its native path where built;
-until it exists, the XLA path again), JAX on the CPU. The child records its
-resident set size (``/proc/self/statm``) every ``--every`` steps, after the
-step's result is ready, and the wall time of those steps. Reported per run:
-the growth from step ``--baseline-step`` (default 500: compilation, first
-allocations and the allocator's warm-up are over by then) to the last step
-(``no_growth``: at most ``--tolerance-mb``, default 1 MB; a shrink is not a
-leak), the largest excursions above and below the baseline, the one-off
-jumps between two samples (``--tolerance-mb`` or more), and the steady
-growth: the median change between two samples times the number of
-intervals. A leak adds memory at every interval and shows in the steady
-growth (``no_steady_growth``); glibc's malloc, with its dynamic mmap
-threshold, moves in one-off jumps, often of the size of the step's
-temporaries (``temp_mb``), taken from or returned to the system once.
-``--keep-freed-memory`` runs the children with ``_common.MALLOC_ENV`` (a
-fixed mmap threshold, no trimming), which removes those jumps.
+until it exists, the XLA path again), JAX on the CPU. The child blocks on every
+step's result (``--async-dispatch``: only on the samples', as a training
+loop that never reads its loss) and records its resident set size
+(``/proc/self/statm``) every ``--every`` steps, with the wall time of those
+steps. Reported per run: the growth from step ``--baseline-step`` (default
+500: compilation, first allocations and the allocator's warm-up are over by
+then) to the last step (``no_growth``: at most ``--tolerance-mb``, default
+1 MB; a shrink is not a leak), the largest excursions above and below the
+baseline, the one-off jumps between two samples (``--tolerance-mb`` or
+more), and the steady growth: the median change between two samples times
+the number of intervals. A leak adds memory at every interval and shows in
+the steady growth (``no_steady_growth``). With ``--async-dispatch`` a step
+can be dispatched while the one before still runs: resident memory may then
+jump once, at a step that varies from run to run, by the size of the step's
+temporaries (``temp_mb``: a second set of them, kept), with glibc's defaults
+and with ``--keep-freed-memory`` (``_common.MALLOC_ENV`` for the children);
+blocking on every step, no such jump was seen.
 
 Run: ``python benchmarks/soak_bench.py --out benchmarks/results/<yyyy-mm>-cpu``
 (writes ``soak_bench_cpu.json`` and ``.png``).
@@ -95,8 +97,10 @@ def child(a: argparse.Namespace) -> None:
     for k in range(1, a.steps + 1):
         i = (k - 1) % len(ids)
         params, state, loss = compiled(params, state, ids[i], ys[i])
-        if k % a.every == 0 or k == a.steps:
+        sample = k % a.every == 0 or k == a.steps
+        if sample or not a.async_dispatch:
             jax.block_until_ready((params, state, loss))
+        if sample:
             t = time.perf_counter()
             print(
                 json.dumps(
@@ -133,6 +137,7 @@ def _run(mode: str, optimizer: str, a: dict[str, Any], bar: Any) -> dict[str, An
         f"--num-rows={a['num_rows']}", f"--dim={a['dim']}", f"--batch={a['batch']}",
         f"--bag={a['bag']}", f"--num-batches={a['num_batches']}",
         f"--steps={a['steps']}", f"--every={a['every']}", f"--seed={a['seed']}",
+        *(["--async-dispatch"] if a["async_dispatch"] else []),
     ]  # fmt: skip
     env = {**os.environ, "JAXSLICES_NATIVE": NATIVE_ENV[mode], "JAX_PLATFORMS": "cpu"}
     if a["keep_freed_memory"]:
@@ -205,6 +210,7 @@ def main(
     num_batches: int = 20,
     steps: int = 4000,
     every: int = 50,
+    async_dispatch: bool = False,
     baseline_step: int = 500,
     tolerance_mb: float = 1.0,
     seed: int = 0,
@@ -318,6 +324,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-batches", type=int, default=20)
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--every", type=int, default=50, help="steps between RSS samples")
+    p.add_argument(
+        "--async-dispatch",
+        action="store_true",
+        help="block only at the samples, not after every step",
+    )
     p.add_argument("--baseline-step", type=int, default=500)
     p.add_argument("--tolerance-mb", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -349,6 +360,7 @@ if __name__ == "__main__":
             num_batches=args.num_batches,
             steps=args.steps,
             every=args.every,
+            async_dispatch=args.async_dispatch,
             baseline_step=args.baseline_step,
             tolerance_mb=args.tolerance_mb,
             seed=args.seed,
