@@ -440,7 +440,8 @@ def main(
     name = "peers_bench_cpu" + (f"_{tag}" if tag else "")
     saved = save_json(report, out, name + ".json")
     if saved is not None and plot:
-        save_plot(rows, configs, str(saved.with_suffix(".png")), env)
+        png = str(saved.with_suffix(".png"))
+        save_plot(rows, configs, png, env, report["load_avg_1m"])
     print(
         f"peers_bench: ms per step, wall (CPU); load average "
         f"{min(loads):.2f}-{max(loads):.2f}"
@@ -478,7 +479,9 @@ def markdown(rows: list[dict], configs: tuple[str, ...], ref: str) -> str:
     return "\n".join(lines)
 
 
-def save_plot(rows: list[dict], configs: tuple[str, ...], path: str, env: dict) -> None:
+def save_plot(
+    rows: list[dict], configs: tuple[str, ...], path: str, env: dict, load: dict
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -512,13 +515,14 @@ def save_plot(rows: list[dict], configs: tuple[str, ...], path: str, env: dict) 
                 label="CPU ms / step" if j == 0 else None,
             )
         ax.set_xticks(np.arange(len(opts)), opts)
+        ax.set_yscale("log")
         ax.set_title(f"V = {v:,}")
-        ax.grid(True, axis="y", alpha=0.3)
-    axes[0][0].set_ylabel("ms / step (median, p25-p75)")
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    axes[0][0].set_ylabel("ms / step (median, p25-p75; log)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(
         f"jaxslices vs FBGEMM, one step ({env['cpu']} x{env['nproc']}, "
-        f"jax {env['jax']}, load {env['load_avg_1m']:.1f})",
+        f"jax {env['jax']}, load average {load['min']:.1f}-{load['max']:.1f})",
         fontsize=9,
     )
     fig.tight_layout()
