@@ -680,6 +680,94 @@ def donation() -> str:
     )
 
 
+_PEERS_CONFIGS = {
+    "fbgemm_1thread": "FBGEMM, 1 thread",
+    "fbgemm_2threads": "FBGEMM, 2 threads",
+    "xla": "jaxslices, XLA path",
+    "native": "jaxslices, native kernels",
+}
+#: Issue 31's goal: native <= 0.9x FBGEMM's 1-thread step (SGD, row-wise
+#: Adagrad, Adagrad; both V).
+PEERS_GOAL = 0.9
+
+
+def _peers_table(d: dict) -> list[str]:
+    rows = {(r["optimizer"], r["num_rows"], r["config"]): r for r in d["rows"]}
+    configs = [c for c in _PEERS_CONFIGS if any(k[2] == c for k in rows)]
+    keys = sorted({(o, v) for o, v, _ in rows}, key=lambda k: (k[1], k[0]))
+    head = ["optimizer", "V", *[_PEERS_CONFIGS[c] for c in configs]]
+    head += ["native / FBGEMM 1 thread", f"goal (<= {PEERS_GOAL}x)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for opt, v in keys:
+        cells = [opt.replace("_", " "), _rows_label(v)]
+        for c in configs:
+            r = rows.get((opt, v, c))
+            cells.append(
+                "-" if r is None else f"{r['median_ms']:.2f} ({r['cpu_ms']:.2f})"
+            )
+        nat = rows.get((opt, v, "native"))
+        if nat is None:
+            cells += ["-", "-"]
+        else:
+            wall, cpu = (
+                nat["ratio_to_fbgemm_1thread"],
+                nat["cpu_ratio_to_fbgemm_1thread"],
+            )
+            cells.append(f"{wall:.2f}x ({cpu:.2f}x)")
+            cells.append("met" if wall <= PEERS_GOAL else "**missed**")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def kernels_peers() -> str:
+    """docs/kernels.md: the native path against FBGEMM (peers_bench runs)."""
+    out = []
+    for name in SOURCES["kernels-peers"]:
+        d = load(name)
+        env, load_ = d["environment"], d["load_avg_1m"]
+        st = d["settings"]
+        out += [
+            f"`benchmarks/results/{name}`: {env['nproc']} shared CPU cores "
+            f"({env['cpu']}), jax {env['jax']}, load average (1 min) "
+            f"{load_['min']:.1f} to {load_['max']:.1f}; {st.get('batch')} bags x "
+            f"{st.get('bag')} Zipf ids per step, mean pooling, a linear head; each "
+            "configuration in its own process, taking turns; cells: median wall "
+            "ms per step (CPU ms per step), medians over the sweeps; first losses "
+            f"agree across all: {d['losses_agree']}.",
+            "",
+            *_peers_table(d),
+            "",
+            f"Command: `{d['command']}`.",
+            "",
+        ]
+    return "\n".join(out)
+
+
+def kernels_floor() -> str:
+    """docs/kernels.md: every optimizer on the native path (optimizer floor)."""
+    out = []
+    for name in SOURCES["kernels-floor"]:
+        d = load(name)
+        env = d["environment"]
+        loads = [x for pairs in d["loads"].values() for pair in pairs for x in pair]
+        out += [
+            f"`benchmarks/results/{name}`: {env['nproc']} CPU cores ({env['cpu']}), "
+            f"jax {env['jax']}, load average (1 min) {min(loads):.1f} to "
+            f"{max(loads):.1f}; `embedding_bag` lookups, {d['repeats']} run(s); "
+            "every ratio is of medians measured in one process.",
+            "",
+            d["native_table"],
+            "",
+        ]
+        for g in d["goals"]:
+            if "native" not in g["goal"]:
+                continue
+            verdict = "met" if g["met"] else "**missed**"
+            out.append(f"* {g['goal']}: {g['value']:.2f} ({verdict})")
+        out += ["", f"Command: `{d['command']}`.", ""]
+    return "\n".join(out)
+
+
 def results_sources() -> str:
     """benchmarks/results/README.md: which run each generated block quotes."""
     lines = ["| block | quoted in | results files |", "| --- | --- | --- |"]
@@ -692,6 +780,8 @@ def results_sources() -> str:
 
 
 BLOCKS: dict[str, Callable[[], str]] = {
+    "kernels-peers": kernels_peers,
+    "kernels-floor": kernels_floor,
     "collections-dlrm": collections_dlrm,
     "collections-batch": collections_batch,
     "results-sources": results_sources,

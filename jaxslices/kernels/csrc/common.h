@@ -152,6 +152,20 @@ inline void PrefetchRow(const float* p, int64_t n, bool write) {
   }
 }
 
+// Sum of squares of x[0:n], in 8 interleaved partial sums (a plain `s +=
+// x * x` loop cannot be vectorised: float addition is not associative).
+inline float SumSquares(const float* x, int64_t n) {
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    for (int j = 0; j < 8; ++j) part[j] += x[k + j] * x[k + j];
+  }
+  float s = 0.f;
+  for (; k < n; ++k) s += x[k] * x[k];
+  for (int j = 0; j < 8; ++j) s += part[j];
+  return s;
+}
+
 // acc[0:R] (+)= f * x[0:R]
 inline void Axpy(float* acc, const float* x, float f, int64_t r, bool first) {
   if (first) {

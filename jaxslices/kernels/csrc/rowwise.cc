@@ -51,9 +51,7 @@ static inline void ApplyRule(int64_t rule, const Ctx& c, float* g, float* st,
     }
     case kRowNorm: {
       float m = hp[0];
-      float ss = 0.f;
-      for (int64_t k = 0; k < R; ++k) ss += g[k] * g[k];
-      float norm = std::sqrt(ss);
+      float norm = std::sqrt(SumSquares(g, R));
       if (norm > m) {
         float f = m / norm;
         for (int64_t k = 0; k < R; ++k) g[k] *= f;
@@ -71,9 +69,7 @@ static inline void ApplyRule(int64_t rule, const Ctx& c, float* g, float* st,
     }
     case kRowwiseRss: {
       float eps = hp[0];
-      float ss = 0.f;
-      for (int64_t k = 0; k < R; ++k) ss += g[k] * g[k];
-      float acc = st[0] + ss / static_cast<float>(R);
+      float acc = st[0] + SumSquares(g, R) / static_cast<float>(R);
       st[0] = acc;
       float denom = acc > 0.f ? std::sqrt(acc) + eps : 1.f;
       for (int64_t k = 0; k < R; ++k) g[k] = g[k] / denom;
@@ -146,8 +142,7 @@ static inline void ApplyRule(int64_t rule, const Ctx& c, float* g, float* st,
       if (std::isinf(p_type)) {
         for (int64_t k = 0; k < R; ++k) norm = std::fmax(norm, std::fabs(st[k]));
       } else if (p_type == 2.f) {
-        for (int64_t k = 0; k < R; ++k) norm += st[k] * st[k];
-        norm = std::sqrt(norm);
+        norm = std::sqrt(SumSquares(st, R));
       } else if (p_type == 1.f) {
         for (int64_t k = 0; k < R; ++k) norm += std::fabs(st[k]);
       } else {
@@ -180,12 +175,7 @@ static ffi::Error Rowwise(const Recipe<Id>& r, int64_t rule, int64_t flags,
   }
   if (flags & kWantSumSq) {
     double ss = 0.0;
-    for (int64_t j = 0; j < count; ++j) {
-      const float* g = rows + j * r.row;
-      float part = 0.f;
-      for (int64_t k = 0; k < r.row; ++k) part += g[k] * g[k];
-      ss += part;
-    }
+    for (int64_t j = 0; j < count; ++j) ss += SumSquares(rows + j * r.row, r.row);
     *sumsq_out = static_cast<float>(ss);
   } else {
     *sumsq_out = 0.f;
