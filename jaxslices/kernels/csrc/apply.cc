@@ -11,7 +11,9 @@ static void Apply(const Recipe<Id>& r, float* table, int64_t num_rows,
                   bool sum_duplicates, bool coalesced) {
   const int64_t R = r.row;
   if (!sum_duplicates || coalesced) {
+    auto rows_of = r.cursor();
     for (int64_t s = 0; s < r.num_slots; ++s) {
+      const float* x = rows_of.next();
       if (s + kPrefetch < r.num_slots) {
         Id ahead = r.ids[s + kPrefetch];
         if (ahead >= 0 && ahead < num_rows) {
@@ -20,7 +22,6 @@ static void Apply(const Recipe<Id>& r, float* table, int64_t num_rows,
       }
       Id id = r.ids[s];
       if (id < 0 || id >= num_rows) continue;
-      const float* x = r.source(s);
       if (!x) continue;
       Axpy(table + static_cast<int64_t>(id) * R, x, r.factor(s), R, false);
     }

@@ -54,6 +54,33 @@ struct Recipe {
     if (b < 0 || b >= num_src) return nullptr;
     return src + b * row;
   }
+
+  // The source rows of slots 0, 1, 2, ... in turn, without a division per
+  // slot for padded bags (an integer division costs more than the row's
+  // arithmetic): call next() once per slot, in order.
+  struct Cursor {
+    const Recipe* r;
+    int64_t s = 0, b = 0, j = 0;
+    const float* next() {
+      const Recipe& q = *r;
+      int64_t src_row;
+      if (q.bag) {
+        src_row = q.bag[s];
+      } else if (q.length > 0) {
+        src_row = b;
+        if (++j == q.length) {
+          j = 0;
+          ++b;
+        }
+      } else {
+        src_row = s;
+      }
+      ++s;
+      if (src_row < 0 || src_row >= q.num_src) return nullptr;
+      return q.src + src_row * q.row;
+    }
+  };
+  Cursor cursor() const { return Cursor{this}; }
   float factor(int64_t s) const { return weight ? scale * weight[s] : scale; }
 };
 
@@ -80,16 +107,13 @@ class IdMap {
   void Reset(int64_t n) {
     int64_t cap = 16;
     while (cap < 2 * n) cap <<= 1;
-    if (static_cast<int64_t>(keys_.size()) < cap) {
-      keys_.assign(cap, 0);
-      vals_.assign(cap, 0);
-      stamps_.assign(cap, 0);
+    if (static_cast<int64_t>(entries_.size()) < cap) {
+      entries_.assign(cap, Entry{0, 0, 0});
       gen_ = 0;
     }
-    cap_ = cap;
     mask_ = cap - 1;
     if (++gen_ == 0) {  // wrapped: clear the stamps once
-      std::fill(stamps_.begin(), stamps_.end(), 0);
+      for (Entry& e : entries_) e.stamp = 0;
       gen_ = 1;
     }
   }
@@ -99,27 +123,28 @@ class IdMap {
     uint64_t h = static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull;
     int64_t i = static_cast<int64_t>(h >> 17) & mask_;
     while (true) {
-      if (stamps_[i] != gen_) {
-        stamps_[i] = gen_;
-        keys_[i] = id;
-        vals_[i] = static_cast<int32_t>(next);
+      Entry& e = entries_[i];  // one cache line holds a probe's whole entry
+      if (e.stamp != gen_) {
+        e = Entry{id, static_cast<int32_t>(next), gen_};
         *inserted = true;
         return next;
       }
-      if (keys_[i] == id) {
+      if (e.key == id) {
         *inserted = false;
-        return vals_[i];
+        return e.slot;
       }
       i = (i + 1) & mask_;
     }
   }
 
  private:
-  std::vector<int64_t> keys_;
-  std::vector<int32_t> vals_;
-  std::vector<uint32_t> stamps_;
+  struct Entry {
+    int64_t key;
+    int32_t slot;
+    uint32_t stamp;
+  };
+  std::vector<Entry> entries_;
   uint32_t gen_ = 0;
-  int64_t cap_ = 0;
   int64_t mask_ = 0;
 };
 
@@ -184,11 +209,12 @@ int64_t Coalesce(const Recipe<Id>& r, int64_t num_rows, bool coalesced,
                  int64_t capacity, float* rows, Id* uids, int64_t* total) {
   int64_t count = 0;
   bool over = false;
+  auto rows_of = r.cursor();
   if (coalesced) {
     for (int64_t s = 0; s < r.num_slots; ++s) {
+      const float* x = rows_of.next();
       Id id = r.ids[s];
       if (id < 0 || id >= num_rows) continue;
-      const float* x = r.source(s);
       if (count < capacity) {
         uids[count] = id;
         float* acc = rows + count * r.row;
@@ -203,6 +229,7 @@ int64_t Coalesce(const Recipe<Id>& r, int64_t num_rows, bool coalesced,
     IdMap& map = ThreadIdMap();
     map.Reset(r.num_slots);
     for (int64_t s = 0; s < r.num_slots; ++s) {
+      const float* x = rows_of.next();
       Id id = r.ids[s];
       if (id < 0 || id >= num_rows) continue;
       bool inserted;
@@ -213,7 +240,6 @@ int64_t Coalesce(const Recipe<Id>& r, int64_t num_rows, bool coalesced,
         continue;
       }
       float* acc = rows + j * r.row;
-      const float* x = r.source(s);
       if (inserted) {
         uids[j] = id;
         if (x) Axpy(acc, x, r.factor(s), r.row, true);
