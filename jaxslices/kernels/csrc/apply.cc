@@ -27,8 +27,8 @@ static void Apply(const Recipe<Id>& r, float* table, int64_t num_rows,
     }
     return;
   }
-  std::vector<float>& acc = ThreadScratch<float>();
-  std::vector<Id>& uids = ThreadScratch<Id>();
+  std::vector<float>& acc = ThreadScratch<float, kApplyRows>();
+  std::vector<Id>& uids = ThreadScratch<Id, kApplyIds>();
   if (static_cast<int64_t>(acc.size()) < r.num_slots * R) acc.resize(r.num_slots * R);
   if (static_cast<int64_t>(uids.size()) < r.num_slots) uids.resize(r.num_slots);
   int64_t total = 0;

@@ -153,7 +153,10 @@ inline IdMap& ThreadIdMap() {
   return map;
 }
 
-template <typename T>
+// Scratch buffers reused between calls, one per (type, use) and thread.
+enum Scratch { kGroups, kApplyRows, kApplyIds };
+
+template <typename T, Scratch use>
 std::vector<T>& ThreadScratch() {
   thread_local std::vector<T> v;
   return v;
@@ -226,27 +229,64 @@ int64_t Coalesce(const Recipe<Id>& r, int64_t num_rows, bool coalesced,
       ++count;
     }
   } else {
+    // Three passes over the slots' integers, then one over the rows: each
+    // distinct id's slots are summed together and its row written once
+    // (summing straight into the rows would read and write a random row of
+    // a megabyte-sized buffer per slot). Within an id, slots are summed in
+    // their order (as a sequential sum would).
+    const int64_t n = r.num_slots;
     IdMap& map = ThreadIdMap();
-    map.Reset(r.num_slots);
-    for (int64_t s = 0; s < r.num_slots; ++s) {
+    map.Reset(n);
+    std::vector<int32_t>& group = ThreadScratch<int32_t, kGroups>();  // slot -> id's j
+    if (static_cast<int64_t>(group.size()) < 4 * n + 1) group.resize(4 * n + 1);
+    int32_t* slot_j = group.data();
+    int32_t* src_row = slot_j + n;
+    int32_t* order = src_row + n;
+    int32_t* start = order + n;  // count + 1 entries (count <= n)
+    for (int64_t s = 0; s < n; ++s) {
       const float* x = rows_of.next();
+      src_row[s] = x ? static_cast<int32_t>((x - r.src) / r.row) : -1;
       Id id = r.ids[s];
-      if (id < 0 || id >= num_rows) continue;
-      bool inserted;
-      int64_t j = map.FindOrInsert(static_cast<int64_t>(id), count, &inserted);
-      if (inserted) ++count;
-      if (j >= capacity) {
-        over = true;
+      if (id < 0 || id >= num_rows) {
+        slot_j[s] = -1;
         continue;
       }
-      float* acc = rows + j * r.row;
+      bool inserted;
+      int64_t j = map.FindOrInsert(static_cast<int64_t>(id), count, &inserted);
       if (inserted) {
-        uids[j] = id;
-        if (x) Axpy(acc, x, r.factor(s), r.row, true);
-        else std::memset(acc, 0, sizeof(float) * r.row);
-      } else if (x) {
-        Axpy(acc, x, r.factor(s), r.row, false);
+        if (count < capacity) uids[count] = id;
+        ++count;
       }
+      slot_j[s] = static_cast<int32_t>(j);
+    }
+    if (count > capacity) {
+      *total = count;
+      return -1;
+    }
+    std::fill(start, start + count + 1, 0);
+    for (int64_t s = 0; s < n; ++s) {
+      if (slot_j[s] >= 0) ++start[slot_j[s] + 1];
+    }
+    for (int64_t j = 0; j < count; ++j) start[j + 1] += start[j];
+    // start[j]: where id j's slots begin in `order`; filled in slot order.
+    for (int64_t s = 0; s < n; ++s) {
+      int32_t j = slot_j[s];
+      if (j >= 0) order[start[j]++] = static_cast<int32_t>(s);
+    }
+    // start[j] is now the end of id j's slots (the beginning of j + 1's).
+    int64_t begin = 0;
+    for (int64_t j = 0; j < count; ++j) {
+      float* acc = rows + j * r.row;
+      bool first = true;
+      for (int64_t k = begin; k < start[j]; ++k) {
+        int32_t s = order[k];
+        if (src_row[s] < 0) continue;
+        Axpy(acc, r.src + static_cast<int64_t>(src_row[s]) * r.row, r.factor(s),
+             r.row, first);
+        first = false;
+      }
+      if (first) std::memset(acc, 0, sizeof(float) * r.row);
+      begin = start[j];
     }
   }
   *total = count;
