@@ -62,6 +62,11 @@ struct Recipe {
     const Recipe* r;
     int64_t s = 0, b = 0, j = 0;
     const float* next() {
+      int64_t i = next_index();
+      return i < 0 ? nullptr : r->src + i * r->row;
+    }
+    // The source row's index (-1: none) of the next slot.
+    int64_t next_index() {
       const Recipe& q = *r;
       int64_t src_row;
       if (q.bag) {
@@ -76,8 +81,8 @@ struct Recipe {
         src_row = s;
       }
       ++s;
-      if (src_row < 0 || src_row >= q.num_src) return nullptr;
-      return q.src + src_row * q.row;
+      if (src_row < 0 || src_row >= q.num_src) return -1;
+      return src_row;
     }
   };
   Cursor cursor() const { return Cursor{this}; }
@@ -118,10 +123,14 @@ class IdMap {
     }
   }
 
+  // Start loading the entry where `id`'s probe begins (a cache miss).
+  void Prefetch(int64_t id) const {
+    __builtin_prefetch(&entries_[Home(id)], 1, 3);
+  }
+
   // The slot of `id`, inserting it as slot `next` if new (then *inserted).
   int64_t FindOrInsert(int64_t id, int64_t next, bool* inserted) {
-    uint64_t h = static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull;
-    int64_t i = static_cast<int64_t>(h >> 17) & mask_;
+    int64_t i = Home(id);
     while (true) {
       Entry& e = entries_[i];  // one cache line holds a probe's whole entry
       if (e.stamp != gen_) {
@@ -138,6 +147,11 @@ class IdMap {
   }
 
  private:
+  int64_t Home(int64_t id) const {
+    uint64_t h = static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull;
+    return static_cast<int64_t>(h >> 17) & mask_;
+  }
+
   struct Entry {
     int64_t key;
     int32_t slot;
@@ -204,93 +218,99 @@ inline void Axpy(float* acc, const float* x, float f, int64_t r, bool first) {
 }
 
 // Sum the recipe's rows per distinct valid id, in order of first appearance:
-// rows[j] (R floats each) and uids[j] for j < count. Returns count, or -1 if
-// more than `capacity` distinct ids were found (then nothing is written past
-// `capacity`, and `*total` holds the true count).
-template <typename Id>
+// rows[j] (R floats each) and uids[j] for j < count, calling on_row(j) as
+// soon as row j is complete (the caller applies its rule while the row is in
+// cache). Returns count, or -1 if more than `capacity` distinct ids were
+// found: then on_row is never called, nothing is written past `capacity`,
+// and `*total` holds the true count.
+template <typename Id, typename OnRow>
 int64_t Coalesce(const Recipe<Id>& r, int64_t num_rows, bool coalesced,
-                 int64_t capacity, float* rows, Id* uids, int64_t* total) {
+                 int64_t capacity, float* rows, Id* uids, int64_t* total,
+                 OnRow&& on_row) {
+  const int64_t n = r.num_slots;
   int64_t count = 0;
-  bool over = false;
   auto rows_of = r.cursor();
-  if (coalesced) {
-    for (int64_t s = 0; s < r.num_slots; ++s) {
+  if (coalesced) {  // the valid ids are distinct: one row per valid slot
+    for (int64_t s = 0; s < n; ++s) {
+      Id id = r.ids[s];
+      count += (id >= 0 && id < num_rows);
+    }
+    *total = count;
+    if (count > capacity) return -1;
+    int64_t j = 0;
+    for (int64_t s = 0; s < n; ++s) {
       const float* x = rows_of.next();
       Id id = r.ids[s];
       if (id < 0 || id >= num_rows) continue;
-      if (count < capacity) {
-        uids[count] = id;
-        float* acc = rows + count * r.row;
-        if (x) Axpy(acc, x, r.factor(s), r.row, true);
-        else std::memset(acc, 0, sizeof(float) * r.row);
-      } else {
-        over = true;
-      }
+      uids[j] = id;
+      float* acc = rows + j * r.row;
+      if (x) Axpy(acc, x, r.factor(s), r.row, true);
+      else std::memset(acc, 0, sizeof(float) * r.row);
+      on_row(j);
+      ++j;
+    }
+    return count;
+  }
+  // Three passes over the slots' integers, then one over the rows: each
+  // distinct id's slots are summed together and its row written once
+  // (summing straight into the rows would read and write a random row of a
+  // megabyte-sized buffer per slot). Within an id, slots are summed in their
+  // order (as a sequential sum would).
+  IdMap& map = ThreadIdMap();
+  map.Reset(n);
+  std::vector<int32_t>& group = ThreadScratch<int32_t, kGroups>();
+  if (static_cast<int64_t>(group.size()) < 4 * n + 1) group.resize(4 * n + 1);
+  int32_t* slot_j = group.data();  // slot -> its id's position j (-1: none)
+  int32_t* src_row = slot_j + n;   // slot -> its source row (-1: none)
+  int32_t* order = src_row + n;    // the slots, grouped by j
+  int32_t* start = order + n;      // count + 1 entries (count <= n)
+  constexpr int64_t kAhead = 16;   // hash entries loaded this many slots ahead
+  for (int64_t s = 0; s < n; ++s) {
+    if (s + kAhead < n) {
+      Id ahead = r.ids[s + kAhead];
+      if (ahead >= 0 && ahead < num_rows) map.Prefetch(ahead);
+    }
+    src_row[s] = static_cast<int32_t>(rows_of.next_index());
+    Id id = r.ids[s];
+    if (id < 0 || id >= num_rows) {
+      slot_j[s] = -1;
+      continue;
+    }
+    bool inserted;
+    int64_t j = map.FindOrInsert(static_cast<int64_t>(id), count, &inserted);
+    if (inserted) {
+      if (count < capacity) uids[count] = id;
       ++count;
     }
-  } else {
-    // Three passes over the slots' integers, then one over the rows: each
-    // distinct id's slots are summed together and its row written once
-    // (summing straight into the rows would read and write a random row of
-    // a megabyte-sized buffer per slot). Within an id, slots are summed in
-    // their order (as a sequential sum would).
-    const int64_t n = r.num_slots;
-    IdMap& map = ThreadIdMap();
-    map.Reset(n);
-    std::vector<int32_t>& group = ThreadScratch<int32_t, kGroups>();  // slot -> id's j
-    if (static_cast<int64_t>(group.size()) < 4 * n + 1) group.resize(4 * n + 1);
-    int32_t* slot_j = group.data();
-    int32_t* src_row = slot_j + n;
-    int32_t* order = src_row + n;
-    int32_t* start = order + n;  // count + 1 entries (count <= n)
-    for (int64_t s = 0; s < n; ++s) {
-      const float* x = rows_of.next();
-      src_row[s] = x ? static_cast<int32_t>((x - r.src) / r.row) : -1;
-      Id id = r.ids[s];
-      if (id < 0 || id >= num_rows) {
-        slot_j[s] = -1;
-        continue;
-      }
-      bool inserted;
-      int64_t j = map.FindOrInsert(static_cast<int64_t>(id), count, &inserted);
-      if (inserted) {
-        if (count < capacity) uids[count] = id;
-        ++count;
-      }
-      slot_j[s] = static_cast<int32_t>(j);
-    }
-    if (count > capacity) {
-      *total = count;
-      return -1;
-    }
-    std::fill(start, start + count + 1, 0);
-    for (int64_t s = 0; s < n; ++s) {
-      if (slot_j[s] >= 0) ++start[slot_j[s] + 1];
-    }
-    for (int64_t j = 0; j < count; ++j) start[j + 1] += start[j];
-    // start[j]: where id j's slots begin in `order`; filled in slot order.
-    for (int64_t s = 0; s < n; ++s) {
-      int32_t j = slot_j[s];
-      if (j >= 0) order[start[j]++] = static_cast<int32_t>(s);
-    }
-    // start[j] is now the end of id j's slots (the beginning of j + 1's).
-    int64_t begin = 0;
-    for (int64_t j = 0; j < count; ++j) {
-      float* acc = rows + j * r.row;
-      bool first = true;
-      for (int64_t k = begin; k < start[j]; ++k) {
-        int32_t s = order[k];
-        if (src_row[s] < 0) continue;
-        Axpy(acc, r.src + static_cast<int64_t>(src_row[s]) * r.row, r.factor(s),
-             r.row, first);
-        first = false;
-      }
-      if (first) std::memset(acc, 0, sizeof(float) * r.row);
-      begin = start[j];
-    }
+    slot_j[s] = static_cast<int32_t>(j);
   }
   *total = count;
-  return over ? -1 : count;
+  if (count > capacity) return -1;
+  std::fill(start, start + count + 1, 0);
+  for (int64_t s = 0; s < n; ++s) {
+    if (slot_j[s] >= 0) ++start[slot_j[s] + 1];
+  }
+  for (int64_t j = 0; j < count; ++j) start[j + 1] += start[j];
+  for (int64_t s = 0; s < n; ++s) {  // start[j]: where id j's slots begin
+    int32_t j = slot_j[s];
+    if (j >= 0) order[start[j]++] = static_cast<int32_t>(s);
+  }
+  int64_t begin = 0;  // start[j] is now the end of id j's slots
+  for (int64_t j = 0; j < count; ++j) {
+    float* acc = rows + j * r.row;
+    bool first = true;
+    for (int64_t k = begin; k < start[j]; ++k) {
+      int32_t s = order[k];
+      if (src_row[s] < 0) continue;
+      Axpy(acc, r.src + static_cast<int64_t>(src_row[s]) * r.row, r.factor(s),
+           r.row, first);
+      first = false;
+    }
+    if (first) std::memset(acc, 0, sizeof(float) * r.row);
+    on_row(j);
+    begin = start[j];
+  }
+  return count;
 }
 
 template <typename Id>

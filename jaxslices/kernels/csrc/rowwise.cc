@@ -165,35 +165,40 @@ static ffi::Error Rowwise(const Recipe<Id>& r, int64_t rule, int64_t flags,
                           float* rows, int64_t capacity, int32_t* count_out,
                           float* sumsq_out) {
   int64_t total = 0;
-  int64_t count = Coalesce(r, num_rows, flags & kCoalesced, capacity, rows,
-                           uids, &total);
+  Ctx c{r.row, hp, flags};
+  const bool want_sumsq = flags & kWantSumSq;
+  double ss = 0.0;
+  auto on_row = [&](int64_t j) {
+    float* g = rows + j * r.row;
+    if (want_sumsq) ss += SumSquares(g, r.row);
+    if (rule == kCoalesce) return;
+    int64_t id = static_cast<int64_t>(uids[j]);
+    float* st = state ? state + id * state_row : nullptr;
+    const float* p = params ? params + id * r.row : nullptr;
+    ApplyRule(rule, c, g, st, p);
+  };
+  // Prefetch the state (and params) rows of the ids a few rows ahead: known
+  // once the ids are hashed, i.e. in the pass that sums the rows.
+  auto on_row_prefetching = [&](int64_t j) {
+    if (j + kPrefetch < total && j + kPrefetch < capacity) {
+      int64_t ahead = static_cast<int64_t>(uids[j + kPrefetch]);
+      if (state) PrefetchRow(state + ahead * state_row, state_row, true);
+      if (params) PrefetchRow(params + ahead * r.row, r.row, false);
+    }
+    on_row(j);
+  };
+  const bool coalesced = flags & kCoalesced;
+  int64_t count = coalesced
+                      ? Coalesce(r, num_rows, true, capacity, rows, uids, &total, on_row)
+                      : Coalesce(r, num_rows, false, capacity, rows, uids, &total,
+                                 on_row_prefetching);
   *count_out = static_cast<int32_t>(total);
-  if (count < 0) {  // over capacity: the wrapper raises; nothing changes
+  if (count < 0) {  // over capacity: the wrapper raises; nothing changed
     for (int64_t j = 0; j < capacity; ++j) uids[j] = static_cast<Id>(num_rows);
     *sumsq_out = 0.f;
     return ffi::Error::Success();
   }
-  if (flags & kWantSumSq) {
-    double ss = 0.0;
-    for (int64_t j = 0; j < count; ++j) ss += SumSquares(rows + j * r.row, r.row);
-    *sumsq_out = static_cast<float>(ss);
-  } else {
-    *sumsq_out = 0.f;
-  }
-  Ctx c{r.row, hp, flags};
-  if (rule != kCoalesce) {
-    for (int64_t j = 0; j < count; ++j) {
-      if (j + kPrefetch < count) {
-        int64_t ahead = static_cast<int64_t>(uids[j + kPrefetch]);
-        if (state) PrefetchRow(state + ahead * state_row, state_row, true);
-        if (params) PrefetchRow(params + ahead * r.row, r.row, false);
-      }
-      int64_t id = static_cast<int64_t>(uids[j]);
-      float* st = state ? state + id * state_row : nullptr;
-      const float* p = params ? params + id * r.row : nullptr;
-      ApplyRule(rule, c, rows + j * r.row, st, p);
-    }
-  }
+  *sumsq_out = static_cast<float>(ss);
   for (int64_t j = count; j < capacity; ++j) uids[j] = static_cast<Id>(num_rows);
   return ffi::Error::Success();
 }
