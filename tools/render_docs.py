@@ -83,6 +83,16 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear_b512.json",
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear.json",
     ),
+    "kernels-peers": ("2026-11-cpu-native/peers_bench_cpu.json",),
+    "kernels-floor": (
+        "2026-11-cpu-native/optimizer_floor_bench_cpu_bag.json",
+        "2026-11-h100-host-cpu/optimizer_floor_bench_cpu_bag_xeon16.json",
+    ),
+    "kernels-dlrm": (
+        "2026-11-cpu-native/dlrm_bench_cpu.json",
+        "2026-11-cpu-native/dlrm_bench_cpu_xla.json",
+    ),
+    "kernels-soak": ("2026-11-cpu-native/soak_bench_cpu.json",),
     "donation": (
         "2026-11-cpu-donation/step_bench_cpu.json",
         "2026-11-cpu-donation-rerun/step_bench_cpu.json",
@@ -768,6 +778,73 @@ def kernels_floor() -> str:
     return "\n".join(out)
 
 
+def kernels_dlrm() -> str:
+    """docs/kernels.md: the DLRM step, native path vs XLA path vs TorchRec."""
+    native_f, xla_f = SOURCES["kernels-dlrm"]
+    nat, xla = load(native_f), load(xla_f)
+    lines = [
+        "Median wall ms / CPU ms per step, glibc's default allocator, "
+        f"`benchmarks/results/{Path(native_f).parent}/` ({nat['environment']['nproc']} "
+        f"shared cores, {nat['environment']['cpu']}, jax {nat['environment']['jax']}; "
+        f"load average {nat['load_avg_1m']['min']:.1f} to "
+        f"{nat['load_avg_1m']['max']:.1f}, then {xla['load_avg_1m']['min']:.1f} to "
+        f"{xla['load_avg_1m']['max']:.1f} for the XLA path's run):",
+        "",
+        "| path | wall ms | CPU ms |",
+        "| --- | --- | --- |",
+    ]
+    rows = []
+    for key, label in _DLRM_PATHS.items():
+        m = nat["paths"].get(key)
+        if m is not None:
+            rows.append(
+                (f"{label}, native kernels" if "collection" in key else label, m)
+            )
+    for key in ("collection", "collection_padded"):
+        m = xla["paths"].get(key)
+        if m is not None:
+            rows.append((f"{_DLRM_PATHS[key]}, XLA path", m))
+    for label, m in rows:
+        lines.append(f"| {label} | {m['median_ms']:.1f} | {m['cpu_ms']:.1f} |")
+    col = nat["paths"]["collection"]
+    lines.append("")
+    for other in ("torchrec", "torchrec_1thread"):
+        t = nat["paths"].get(other)
+        if t is None:
+            continue
+        wall, cpu = col["median_ms"] / t["median_ms"], col["cpu_ms"] / t["cpu_ms"]
+        verdict = "faster" if wall < 1 else "**not faster**"
+        lines.append(
+            f"* collection (native) / {_DLRM_PATHS[other]}: {wall:.2f}x wall, "
+            f"{cpu:.2f}x CPU time ({verdict})."
+        )
+    gap = max(v for v in nat["check_max_abs_diff"].values())
+    lines += [
+        f"* The first {nat['settings']['check_steps']} losses of every path agree "
+        f"within {gap:.1e}.",
+        "",
+        f"Commands: `{_dlrm_command(nat)}`; the XLA path: "
+        f"`JAXSLICES_NATIVE=0 {_dlrm_command(xla)}`.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def kernels_soak() -> str:
+    """docs/kernels.md: thousands of native steps, memory flat (soak_bench)."""
+    (name,) = SOURCES["kernels-soak"]
+    d = load(name)
+    st, env = d["settings"], d["environment"]
+    verdict = "flat" if d["no_steady_growth"] else "**growing**"
+    return (
+        f"{st['steps']:,} donated steps at V = {st['num_rows']:,} per optimizer, "
+        f"the process's resident memory sampled every {st['every']} steps "
+        f"(`benchmarks/results/{name}`, {env['cpu']}, jax {env['jax']}): "
+        f"{verdict} within {st['tolerance_mb']} MB from step "
+        f"{st['baseline_step']} on.\n\n" + d["table"] + "\n\n"
+        f"Command: `{d['command']}`.\n"
+    )
+
+
 def results_sources() -> str:
     """benchmarks/results/README.md: which run each generated block quotes."""
     lines = ["| block | quoted in | results files |", "| --- | --- | --- |"]
@@ -780,6 +857,8 @@ def results_sources() -> str:
 
 
 BLOCKS: dict[str, Callable[[], str]] = {
+    "kernels-dlrm": kernels_dlrm,
+    "kernels-soak": kernels_soak,
     "kernels-peers": kernels_peers,
     "kernels-floor": kernels_floor,
     "collections-dlrm": collections_dlrm,
