@@ -217,6 +217,44 @@ inline void Axpy(float* acc, const float* x, float f, int64_t r, bool first) {
   }
 }
 
+// Sum each id's slots (grouped by `start`/`order`) into rows[j], calling
+// on_row(j) after each. W > 0: the row width at compile time, so that the
+// sum stays in registers and each row is written once; W = 0: any width.
+template <int W, typename Id, typename OnRow>
+void SumGroups(const Recipe<Id>& r, int64_t count, const int32_t* start,
+               const int32_t* order, const int32_t* src_row, float* rows,
+               OnRow&& on_row) {
+  const int64_t R = W > 0 ? W : r.row;
+  int64_t begin = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    float* out = rows + j * R;
+    if constexpr (W > 0) {
+      float acc[W > 0 ? W : 1];
+      for (int64_t k = 0; k < W; ++k) acc[k] = 0.f;
+      for (int64_t q = begin; q < start[j]; ++q) {
+        int32_t s = order[q];
+        if (src_row[s] < 0) continue;
+        const float* x = r.src + static_cast<int64_t>(src_row[s]) * W;
+        float f = r.factor(s);
+        for (int64_t k = 0; k < W; ++k) acc[k] += f * x[k];
+      }
+      for (int64_t k = 0; k < W; ++k) out[k] = acc[k];
+    } else {
+      bool first = true;
+      for (int64_t q = begin; q < start[j]; ++q) {
+        int32_t s = order[q];
+        if (src_row[s] < 0) continue;
+        Axpy(out, r.src + static_cast<int64_t>(src_row[s]) * R, r.factor(s), R,
+             first);
+        first = false;
+      }
+      if (first) std::memset(out, 0, sizeof(float) * R);
+    }
+    on_row(j);
+    begin = start[j];
+  }
+}
+
 // Sum the recipe's rows per distinct valid id, in order of first appearance:
 // rows[j] (R floats each) and uids[j] for j < count, calling on_row(j) as
 // soon as row j is complete (the caller applies its rule while the row is in
@@ -295,20 +333,13 @@ int64_t Coalesce(const Recipe<Id>& r, int64_t num_rows, bool coalesced,
     int32_t j = slot_j[s];
     if (j >= 0) order[start[j]++] = static_cast<int32_t>(s);
   }
-  int64_t begin = 0;  // start[j] is now the end of id j's slots
-  for (int64_t j = 0; j < count; ++j) {
-    float* acc = rows + j * r.row;
-    bool first = true;
-    for (int64_t k = begin; k < start[j]; ++k) {
-      int32_t s = order[k];
-      if (src_row[s] < 0) continue;
-      Axpy(acc, r.src + static_cast<int64_t>(src_row[s]) * r.row, r.factor(s),
-           r.row, first);
-      first = false;
-    }
-    if (first) std::memset(acc, 0, sizeof(float) * r.row);
-    on_row(j);
-    begin = start[j];
+  // start[j] is now the end of id j's slots.
+  switch (r.row) {  // rows of a fixed width are summed in registers
+    case 16: SumGroups<16>(r, count, start, order, src_row, rows, on_row); break;
+    case 32: SumGroups<32>(r, count, start, order, src_row, rows, on_row); break;
+    case 64: SumGroups<64>(r, count, start, order, src_row, rows, on_row); break;
+    case 128: SumGroups<128>(r, count, start, order, src_row, rows, on_row); break;
+    default: SumGroups<0>(r, count, start, order, src_row, rows, on_row);
   }
   return count;
 }
