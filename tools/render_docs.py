@@ -84,6 +84,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear.json",
     ),
     "kernels-peers": ("2026-11-cpu-native/peers_bench_cpu.json",),
+    "readme-kernels": ("2026-11-cpu-native/peers_bench_cpu.json",),
     "kernels-floor": (
         "2026-11-cpu-native/optimizer_floor_bench_cpu_bag.json",
         "2026-11-h100-host-cpu/optimizer_floor_bench_cpu_bag_xeon16.json",
@@ -778,6 +779,33 @@ def kernels_floor() -> str:
     return "\n".join(out)
 
 
+def readme_kernels() -> str:
+    """README: the native path against FBGEMM and the XLA path (peers_bench)."""
+    (name,) = SOURCES["kernels-peers"]
+    d = load(name)
+    rows = {(r["optimizer"], r["num_rows"], r["config"]): r for r in d["rows"]}
+    v = max(r["num_rows"] for r in d["rows"])
+    parts = []
+    for opt in ("sgd", "rowwise_adagrad", "adagrad"):
+        nat, fb = rows.get((opt, v, "native")), rows.get((opt, v, "fbgemm_1thread"))
+        xla = rows.get((opt, v, "xla"))
+        if nat is None or fb is None or xla is None:
+            continue
+        parts.append(
+            f"{opt.replace('_', ' ')} {nat['median_ms']:.2f} ms "
+            f"({nat['ratio_to_fbgemm_1thread']:.2f}x FBGEMM's 1-thread step, "
+            f"{nat['median_ms'] / xla['median_ms']:.2f}x the XLA path's)"
+        )
+    env = d["environment"]
+    return (
+        f"Measured (`benchmarks/results/{name}`, {env['nproc']} shared CPU cores, "
+        f"jax {env['jax']}): a training step with a {_rows_label(v)} x "
+        f"{d['settings']['dim']} table, {d['settings']['batch']} bags x "
+        f"{d['settings']['bag']} ids, takes " + "; ".join(parts) + ". "
+        f"Command: `{d['command']}`.\n"
+    )
+
+
 def kernels_dlrm() -> str:
     """docs/kernels.md: the DLRM step, native path vs XLA path vs TorchRec."""
     native_f, xla_f = SOURCES["kernels-dlrm"]
@@ -857,6 +885,7 @@ def results_sources() -> str:
 
 
 BLOCKS: dict[str, Callable[[], str]] = {
+    "readme-kernels": readme_kernels,
     "kernels-dlrm": kernels_dlrm,
     "kernels-soak": kernels_soak,
     "kernels-peers": kernels_peers,
