@@ -825,9 +825,8 @@ def kernels_dlrm() -> str:
     for key, label in _DLRM_PATHS.items():
         m = nat["paths"].get(key)
         if m is not None:
-            rows.append(
-                (f"{label}, native kernels" if "collection" in key else label, m)
-            )
+            native = "collection" in key or key == "separate"
+            rows.append((f"{label}, native kernels" if native else label, m))
     for key in ("collection", "collection_padded"):
         m = xla["paths"].get(key)
         if m is not None:
