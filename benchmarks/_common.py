@@ -202,3 +202,137 @@ def hash_dedup(ids, rows, num_rows: int, load: int = 4):
     safe = jnp.where(valid, ids, num_rows)
     rep = hash_representatives(safe, valid, load)
     return from_representatives(rep, safe, valid, rows, num_rows)
+
+
+# glibc's malloc serves blocks over 32 MB (its largest mmap threshold), and
+# blocks too large for a thread arena's heap, with fresh pages from the kernel
+# and returns them on free: an XLA:CPU step whose temporaries exceed that pays
+# a page fault per page touched, every step. These settings (one arena, no
+# trimming) keep freed memory in the process (dlrm_bench.py, peers_bench.py and
+# soak_bench.py, ``--keep-freed-memory``: both sides run with them). An
+# explicit mmap threshold also turns off glibc's dynamic one, which otherwise
+# moves as blocks are freed, so a step's temporaries may come from fresh pages
+# or from the heap depending on the process's history.
+MALLOC_ENV = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 31),
+    "MALLOC_TOP_PAD_": str(1 << 28),
+}
+
+
+# ------------------------------------------- the peers workload (issue 31)
+# ``peers_bench.py`` (against FBGEMM) and ``soak_bench.py`` train the same
+# step: one ``V x 64`` float32 table, 1024 bags x 16 Zipf ids, mean pooling,
+# a linear head ``pooled @ w`` and the mean squared error against targets.
+
+PEERS_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
+
+#: Hyperparameters of each optimizer, chosen so that both sides compute the
+#: same update (FBGEMM's CPU rules: ``fbgemm_gpu/codegen/genscript/optimizers.py``).
+#: Learning rate 0.1; optimizer state from 0; the head ``w`` by plain SGD.
+#: SGD: ``w -= lr * g``. Row-wise Adagrad: the same formula on both sides
+#: (``acc += mean(g**2)``, ``w -= lr * g / (sqrt(acc) + eps)``), the same eps.
+#: Adagrad: FBGEMM's ``EXACT_ADAGRAD`` adds ``eps`` outside the square root
+#: (``w -= lr * g / (sqrt(acc) + eps)``), ``jaxslices.adagrad`` (Optax's
+#: formula) inside it (``w -= lr * g / sqrt(acc + eps)``); no pair of values
+#: makes them equal. Here FBGEMM gets ``eps = 1e-10`` and jaxslices
+#: ``eps = 1e-20`` (its square): both are then the eps-free rule to a relative
+#: ``eps / sqrt(acc)`` (``1e-5`` where a gradient entry is ``1e-5``, this
+#: workload's scale). With one ``eps`` of ``1e-8`` on both sides they would
+#: differ by a factor ``sqrt(1 + 1e-8 / acc)`` (7x where ``acc = g**2 = 1e-10``).
+PEERS_HPARAMS: dict[str, dict[str, float]] = {
+    "sgd": {"lr": 0.1},
+    "rowwise_adagrad": {"lr": 0.1, "eps": 1e-8, "eps_fbgemm": 1e-8},
+    "adagrad": {"lr": 0.1, "eps": 1e-20, "eps_fbgemm": 1e-10},
+}
+
+
+def peers_data(
+    num_rows: int,
+    dim: int = 64,
+    batch: int = 1024,
+    bag: int = 16,
+    num_batches: int = 20,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """The peers workload as NumPy arrays (the same on every side).
+
+    ``table`` ``[V, dim]`` (``0.01 * normal``), ``w`` ``[dim]`` (``0.1 *
+    normal``), ``ids`` ``[num_batches, batch, bag]`` int32 (``zipf(1.2) % V``),
+    ``y`` ``[num_batches, batch]`` (normal targets).
+    """
+    rng = np.random.default_rng(seed)
+    ids = (rng.zipf(1.2, size=(num_batches, batch, bag)) % num_rows).astype(np.int32)
+    y = rng.standard_normal((num_batches, batch), dtype=np.float32)
+    w = 0.1 * rng.standard_normal(dim, dtype=np.float32)
+    table = rng.standard_normal((num_rows, dim), dtype=np.float32)
+    table *= np.float32(0.01)
+    return {"table": table, "w": w, "ids": ids, "y": y}
+
+
+def peers_optimizer(name: str) -> Any:
+    """The peers step's optimizer: ``name`` on the table, SGD on ``w``."""
+    import optax
+
+    import jaxslices as js
+
+    hp = PEERS_HPARAMS[name]
+    lr = hp["lr"]
+    emb = {
+        "sgd": lambda: js.sgd(lr),
+        "rowwise_adagrad": lambda: js.rowwise_adagrad(
+            lr, initial_accumulator_value=0.0, eps=hp["eps"]
+        ),
+        "adagrad": lambda: js.adagrad(lr, initial_accumulator_value=0.0, eps=hp["eps"]),
+    }[name]()
+    return optax.multi_transform(
+        {"emb": emb, "head": optax.sgd(lr)},
+        {"emb": "emb", "w": "head"},
+    )
+
+
+def peers_step(tx: Any) -> Callable:
+    """The donated, jitted jaxslices training step of the peers workload.
+
+    Public API only: :func:`jaxslices.embedding_bag` (padded ``[B, L]`` ids,
+    mean), :func:`jaxslices.value_and_grad`, ``tx.update``,
+    :func:`jaxslices.apply_updates`. Call as ``step(params, state, ids, y)``
+    with ``params = {"emb": table, "w": w}``; returns ``(params, state, loss)``.
+    """
+    import jax.numpy as jnp
+
+    import jaxslices as js
+
+    def loss_fn(p, ids, y):
+        pooled = js.embedding_bag(p["emb"], ids)  # [B, D], mean of each bag
+        return jnp.mean((pooled @ p["w"] - y) ** 2)
+
+    def step(p, state, ids, y):
+        loss, grads = js.value_and_grad(loss_fn)(p, ids, y)
+        updates, state = tx.update(grads, state, p)
+        return js.apply_updates(p, updates), state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def custom_call_targets(compiled: Any) -> list[str]:
+    """The distinct custom-call targets of a compiled step's HLO (an FFI kernel
+    shows up here; the XLA path has none but callbacks)."""
+    import re
+
+    text = compiled.as_text()
+    return sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
+
+
+def page_faults() -> int:
+    """Page faults (minor + major) of this process so far: a step whose
+    temporaries come from fresh pages pays one per page touched."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_minflt + r.ru_majflt
+
+
+def cpu_seconds() -> float:
+    """CPU seconds (user + system, every thread) of this process so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime

@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _common import environment, rss_mb, save_json, summary, time_call
+from _common import MALLOC_ENV, environment, rss_mb, save_json, summary, time_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import criteo_synth as synth  # noqa: E402
@@ -181,19 +181,6 @@ class JaxPath:
     def run(self, inp) -> float:
         self.params, self.state, loss = self.step(self.params, self.state, *inp)
         return float(loss)  # blocks
-
-
-# glibc's malloc serves blocks over 32 MB (its largest mmap threshold), and
-# blocks too large for a thread arena's heap, with fresh pages from the kernel
-# and returns them on free: an XLA:CPU step whose temporaries exceed that pays
-# a page fault per page touched, every step. These settings (one arena, no
-# trimming) keep freed memory in the process; both sides run with them.
-MALLOC_ENV = {
-    "MALLOC_ARENA_MAX": "1",
-    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 31),
-    "MALLOC_TOP_PAD_": str(1 << 28),
-}
 
 
 def _check_malloc_env() -> None:

@@ -129,39 +129,51 @@ class Tape:
         if trace_state() != self.state:
             return ROWS
         if self.mode == "discover":
-            axes = _varying_axes(ids, table)
-            if axes is None:
-                self.dense.update(ks)
-                return None
-            self.records.append(
-                LookupRecord(
-                    ks[0],
-                    tuple(ids.shape),
-                    tuple(table.shape[1:]),
-                    bag.dtype,
-                    axes,
-                    pooled=bag.pooled_shape,
-                )
-            )
+            self._record(ks, table, ids, bag.dtype, bag.pooled_shape)
             return None
-        if self.cursor >= len(self.expected):
-            raise RuntimeError(_NONDETERMINISTIC)
-        rec = self.expected[self.cursor]
-        if (
-            rec.leaf not in ks
-            or rec.ids_shape != tuple(ids.shape)
-            or rec.pooled != bag.pooled_shape
-        ):
-            raise RuntimeError(_NONDETERMINISTIC)
-        tap = self.taps[self.cursor]
-        self.cursor += 1
-        self.ids.append(ids)
+        tap = self._next_tap(ks, ids, bag.pooled_shape)
         if self.sever:
             table = jax.lax.stop_gradient(table)
         pooled = bag.forward(table)
         self.rows.append(pooled)
         self.bags.append((bag.weight, bag.scale, bag.bag))
         return pooled + tap
+
+    def _record(self, ks, table, ids, dtype, pooled=None) -> None:
+        """Discovery: record a top-level lookup (or make its table dense)."""
+        # Discovery traces every candidate as its own tracer: one leaf.
+        axes = _varying_axes(ids, table)
+        if axes is None:  # unknown to this JAX: its dense gradient
+            self.dense.update(ks)
+            return
+        self.records.append(
+            LookupRecord(
+                ks[0],
+                tuple(ids.shape),
+                tuple(table.shape[1:]),
+                dtype,
+                axes,
+                pooled=pooled,
+            )
+        )
+
+    def _next_tap(self, ks, ids, pooled=None) -> Any:
+        """Tap mode: the tap of the next recorded lookup, which this one must be.
+
+        One array object may be bound to several leaves ({"user": z, "item":
+        z}): the lookups come in the order discovery recorded them, as bags
+        or as lookups of rows, with the same id shapes.
+        """
+        if self.cursor >= len(self.expected):
+            raise RuntimeError(_NONDETERMINISTIC)
+        rec = self.expected[self.cursor]
+        same = rec.leaf in ks and rec.ids_shape == tuple(ids.shape)
+        if not same or rec.pooled != pooled:
+            raise RuntimeError(_NONDETERMINISTIC)
+        tap = self.taps[self.cursor]
+        self.cursor += 1
+        self.ids.append(ids)
+        return tap
 
     def _below_top(self, ks, table, ids, gather):
         """A lookup below the top level: sparse if only ``vmap``s lie between.
@@ -208,33 +220,9 @@ class Tape:
 
     def _top_level(self, ks, table, ids, gather):
         if self.mode == "discover":
-            # Discovery traces every candidate as its own tracer: one leaf.
-            axes = _varying_axes(ids, table)
-            if axes is None:  # unknown to this JAX: its dense gradient
-                self.dense.update(ks)
-                return None
-            self.records.append(
-                LookupRecord(
-                    ks[0],
-                    tuple(ids.shape),
-                    tuple(table.shape[1:]),
-                    table.dtype,
-                    axes,
-                )
-            )
+            self._record(ks, table, ids, table.dtype)
             return None
-        # One array object may be bound to several leaves ({"user": z, "item": z}):
-        # the lookups come in the order discovery recorded them.
-        if self.cursor >= len(self.expected):
-            raise RuntimeError(_NONDETERMINISTIC)
-        rec = self.expected[self.cursor]
-        if rec.leaf not in ks or rec.ids_shape != tuple(ids.shape):
-            raise RuntimeError(_NONDETERMINISTIC)
-        if rec.pooled is not None:  # the earlier passes saw a bag here
-            raise RuntimeError(_NONDETERMINISTIC)
-        tap = self.taps[self.cursor]
-        self.cursor += 1
-        self.ids.append(ids)
+        tap = self._next_tap(ks, ids)
         if self.sever:
             table = jax.lax.stop_gradient(table)
         rows = gather(table, ids)

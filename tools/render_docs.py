@@ -83,6 +83,17 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear_b512.json",
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear.json",
     ),
+    "kernels-peers": ("2026-11-cpu-native/peers_bench_cpu.json",),
+    "readme-kernels": ("2026-11-cpu-native/peers_bench_cpu.json",),
+    "kernels-floor": (
+        "2026-11-cpu-native/optimizer_floor_bench_cpu_bag.json",
+        "2026-11-h100-host-cpu/optimizer_floor_bench_cpu_bag_xeon16.json",
+    ),
+    "kernels-dlrm": (
+        "2026-11-cpu-native/dlrm_bench_cpu.json",
+        "2026-11-cpu-native/dlrm_bench_cpu_xla.json",
+    ),
+    "kernels-soak": ("2026-11-cpu-native/soak_bench_cpu.json",),
     "donation": (
         "2026-11-cpu-donation/step_bench_cpu.json",
         "2026-11-cpu-donation-rerun/step_bench_cpu.json",
@@ -758,6 +769,187 @@ def scale_out_plans() -> str:
     return "\n".join(out) + "\n"
 
 
+_PEERS_CONFIGS = {
+    "fbgemm_1thread": "FBGEMM, 1 thread",
+    "fbgemm_2threads": "FBGEMM, 2 threads",
+    "xla": "jaxslices, XLA path",
+    "native": "jaxslices, native kernels",
+}
+#: Issue 31's goal: native <= 0.9x FBGEMM's 1-thread step (SGD, row-wise
+#: Adagrad, Adagrad; both V).
+PEERS_GOAL = 0.9
+
+
+def _peers_table(d: dict) -> list[str]:
+    rows = {(r["optimizer"], r["num_rows"], r["config"]): r for r in d["rows"]}
+    configs = [c for c in _PEERS_CONFIGS if any(k[2] == c for k in rows)]
+    keys = sorted({(o, v) for o, v, _ in rows}, key=lambda k: (k[1], k[0]))
+    head = ["optimizer", "V", *[_PEERS_CONFIGS[c] for c in configs]]
+    head += ["native / FBGEMM 1 thread", f"goal (<= {PEERS_GOAL}x)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for opt, v in keys:
+        cells = [opt.replace("_", " "), _rows_label(v)]
+        for c in configs:
+            r = rows.get((opt, v, c))
+            cells.append(
+                "-" if r is None else f"{r['median_ms']:.2f} ({r['cpu_ms']:.2f})"
+            )
+        nat = rows.get((opt, v, "native"))
+        if nat is None:
+            cells += ["-", "-"]
+        else:
+            wall, cpu = (
+                nat["ratio_to_fbgemm_1thread"],
+                nat["cpu_ratio_to_fbgemm_1thread"],
+            )
+            cells.append(f"{wall:.2f}x ({cpu:.2f}x)")
+            cells.append("met" if wall <= PEERS_GOAL else "**missed**")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def kernels_peers() -> str:
+    """docs/kernels.md: the native path against FBGEMM (peers_bench runs)."""
+    out = []
+    for name in SOURCES["kernels-peers"]:
+        d = load(name)
+        env, load_ = d["environment"], d["load_avg_1m"]
+        st = d["settings"]
+        out += [
+            f"`benchmarks/results/{name}`: {env['nproc']} shared CPU cores "
+            f"({env['cpu']}), jax {env['jax']}, load average (1 min) "
+            f"{load_['min']:.1f} to {load_['max']:.1f}; {st.get('batch')} bags x "
+            f"{st.get('bag')} Zipf ids per step, mean pooling, a linear head; each "
+            "configuration in its own process, taking turns; cells: median wall "
+            "ms per step (CPU ms per step), medians over the sweeps; first losses "
+            f"agree across all: {d['losses_agree']}.",
+            "",
+            *_peers_table(d),
+            "",
+            f"Command: `{d['command']}`.",
+            "",
+        ]
+    return "\n".join(out)
+
+
+def kernels_floor() -> str:
+    """docs/kernels.md: every optimizer on the native path (optimizer floor)."""
+    out = []
+    for name in SOURCES["kernels-floor"]:
+        d = load(name)
+        env = d["environment"]
+        loads = [x for pairs in d["loads"].values() for pair in pairs for x in pair]
+        out += [
+            f"`benchmarks/results/{name}`: {env['nproc']} CPU cores ({env['cpu']}), "
+            f"jax {env['jax']}, load average (1 min) {min(loads):.1f} to "
+            f"{max(loads):.1f}; `embedding_bag` lookups, {d['repeats']} run(s); "
+            "every ratio is of medians measured in one process.",
+            "",
+            d["native_table"],
+            "",
+        ]
+        for g in d["goals"]:
+            if "native" not in g["goal"]:
+                continue
+            verdict = "met" if g["met"] else "**missed**"
+            out.append(f"* {g['goal']}: {g['value']:.2f} ({verdict})")
+        out += ["", f"Command: `{d['command']}`.", ""]
+    return "\n".join(out)
+
+
+def readme_kernels() -> str:
+    """README: the native path against FBGEMM and the XLA path (peers_bench)."""
+    (name,) = SOURCES["kernels-peers"]
+    d = load(name)
+    rows = {(r["optimizer"], r["num_rows"], r["config"]): r for r in d["rows"]}
+    v = max(r["num_rows"] for r in d["rows"])
+    parts = []
+    for opt in ("sgd", "rowwise_adagrad", "adagrad"):
+        nat, fb = rows.get((opt, v, "native")), rows.get((opt, v, "fbgemm_1thread"))
+        xla = rows.get((opt, v, "xla"))
+        if nat is None or fb is None or xla is None:
+            continue
+        parts.append(
+            f"{opt.replace('_', ' ')} {nat['median_ms']:.2f} ms "
+            f"({nat['ratio_to_fbgemm_1thread']:.2f}x FBGEMM's 1-thread step, "
+            f"{nat['median_ms'] / xla['median_ms']:.2f}x the XLA path's)"
+        )
+    env = d["environment"]
+    return (
+        f"Measured (`benchmarks/results/{name}`, {env['nproc']} shared CPU cores, "
+        f"jax {env['jax']}): a training step with a {_rows_label(v)} x "
+        f"{d['settings']['dim']} table, {d['settings']['batch']} bags x "
+        f"{d['settings']['bag']} ids, takes " + "; ".join(parts) + ". "
+        f"Command: `{d['command']}`.\n"
+    )
+
+
+def kernels_dlrm() -> str:
+    """docs/kernels.md: the DLRM step, native path vs XLA path vs TorchRec."""
+    native_f, xla_f = SOURCES["kernels-dlrm"]
+    nat, xla = load(native_f), load(xla_f)
+    lines = [
+        "Median wall ms / CPU ms per step, glibc's default allocator, "
+        f"`benchmarks/results/{Path(native_f).parent}/` ({nat['environment']['nproc']} "
+        f"shared cores, {nat['environment']['cpu']}, jax {nat['environment']['jax']}; "
+        f"load average {nat['load_avg_1m']['min']:.1f} to "
+        f"{nat['load_avg_1m']['max']:.1f}, then {xla['load_avg_1m']['min']:.1f} to "
+        f"{xla['load_avg_1m']['max']:.1f} for the XLA path's run):",
+        "",
+        "| path | wall ms | CPU ms |",
+        "| --- | --- | --- |",
+    ]
+    rows = []
+    for key, label in _DLRM_PATHS.items():
+        m = nat["paths"].get(key)
+        if m is not None:
+            native = "collection" in key or key == "separate"
+            rows.append((f"{label}, native kernels" if native else label, m))
+    for key in ("collection", "collection_padded"):
+        m = xla["paths"].get(key)
+        if m is not None:
+            rows.append((f"{_DLRM_PATHS[key]}, XLA path", m))
+    for label, m in rows:
+        lines.append(f"| {label} | {m['median_ms']:.1f} | {m['cpu_ms']:.1f} |")
+    col = nat["paths"]["collection"]
+    lines.append("")
+    for other in ("torchrec", "torchrec_1thread"):
+        t = nat["paths"].get(other)
+        if t is None:
+            continue
+        wall, cpu = col["median_ms"] / t["median_ms"], col["cpu_ms"] / t["cpu_ms"]
+        verdict = "faster" if wall < 1 else "**not faster**"
+        lines.append(
+            f"* collection (native) / {_DLRM_PATHS[other]}: {wall:.2f}x wall, "
+            f"{cpu:.2f}x CPU time ({verdict})."
+        )
+    gap = max(v for v in nat["check_max_abs_diff"].values())
+    lines += [
+        f"* The first {nat['settings']['check_steps']} losses of every path agree "
+        f"within {gap:.1e}.",
+        "",
+        f"Commands: `{_dlrm_command(nat)}`; the XLA path: "
+        f"`JAXSLICES_NATIVE=0 {_dlrm_command(xla)}`.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def kernels_soak() -> str:
+    """docs/kernels.md: thousands of native steps, memory flat (soak_bench)."""
+    (name,) = SOURCES["kernels-soak"]
+    d = load(name)
+    st, env = d["settings"], d["environment"]
+    verdict = "flat" if d["no_steady_growth"] else "**growing**"
+    return (
+        f"{st['steps']:,} donated steps at V = {st['num_rows']:,} per optimizer, "
+        f"the process's resident memory sampled every {st['every']} steps "
+        f"(`benchmarks/results/{name}`, {env['cpu']}, jax {env['jax']}): "
+        f"{verdict} within {st['tolerance_mb']} MB from step "
+        f"{st['baseline_step']} on.\n\n" + d["table"] + "\n\n"
+        f"Command: `{d['command']}`.\n"
+    )
+
+
 def results_sources() -> str:
     """benchmarks/results/README.md: which run each generated block quotes."""
     lines = ["| block | quoted in | results files |", "| --- | --- | --- |"]
@@ -770,6 +962,11 @@ def results_sources() -> str:
 
 
 BLOCKS: dict[str, Callable[[], str]] = {
+    "readme-kernels": readme_kernels,
+    "kernels-dlrm": kernels_dlrm,
+    "kernels-soak": kernels_soak,
+    "kernels-peers": kernels_peers,
+    "kernels-floor": kernels_floor,
     "collections-dlrm": collections_dlrm,
     "collections-batch": collections_batch,
     "results-sources": results_sources,

@@ -622,13 +622,17 @@ def apply(
     ids: jax.Array,
     *,
     coalesced: bool = False,
-    sum_duplicates: bool = True,
+    sum_duplicates: bool = False,
     label: str = "",
 ) -> jax.Array:
     """``table`` ``[V, *row]`` plus the recipe's rows at ``ids``, in place.
 
     With ``sum_duplicates`` the rows of one id are summed before the row is
-    written (each distinct row read and written once).
+    written (each distinct row read and written once). Off by default: for
+    an uncoalesced update (plain SGD's) adding each id's row in turn was
+    measured faster (0.16 vs 0.34 ms for 16,384 Zipf ids at V = 1M: the hash
+    costs more than the repeated writes to hot, cached rows save), and it is
+    what the XLA path computes (a scatter-add).
     """
     args, flags = _recipe_args(recipe)
     if coalesced:

@@ -794,3 +794,19 @@ def test_flax_nnx_and_equinox_steps_take_the_native_path():
 
     st = tx.init(eqx.filter(emb, eqx.is_array))
     assert js.kernels.explain(step, emb, st, ids).native
+
+
+@pytest.mark.parametrize("length", [0, 4])
+def test_apply_with_and_without_summing_duplicates_first(length):
+    rng = np.random.default_rng(17)
+    table = jnp.asarray(rng.normal(size=(50, 3)), jnp.float32)
+    n = 24
+    ids = jnp.asarray(_zipf_ids(rng, (n,), 53))  # duplicates, some out of range
+    src = jnp.asarray(rng.normal(size=(n // max(length, 1), 3)), jnp.float32)
+    rec = _ops.Recipe(src, length=length, weight=jnp.asarray(rng.normal(size=n)))
+    want = table.at[jnp.where(ids < 50, ids, 50)].add(rec.values(n), mode="drop")
+    for sum_duplicates in (True, False):
+        got = jax.jit(
+            lambda t, s=sum_duplicates: _ops.apply(t, rec, ids, sum_duplicates=s)
+        )(table)
+        np.testing.assert_allclose(got, want, **TOL)

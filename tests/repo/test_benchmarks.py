@@ -5,6 +5,7 @@ import importlib
 import inspect
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -316,3 +317,130 @@ def test_check_dispatch_smoke(bench, tmp_path):
     assert all(r["median_ms"] > 0 for r in report["rows"])
     saved = json.loads((tmp_path / "check_dispatch_cpu.json").read_text())
     assert saved["workload"]["clip_sgd"]["max_distinct"] >= 1
+
+
+# The torch environment of the FBGEMM side (torch, fbgemm-gpu-cpu; see
+# benchmarks/README.md): when set, the peers smoke test runs FBGEMM too.
+TORCHREC_PYTHON = os.environ.get("JAXSLICES_TORCHREC_PYTHON")
+
+
+def _fbgemm_rules_step(p, acc, ids, y, optimizer, hp):
+    """One peers step in NumPy (float64) with FBGEMM's optimizer rules
+    (fbgemm_gpu/codegen/genscript/optimizers.py, CPU) and SGD on ``w``."""
+    table, w = p
+    b, bag = ids.shape
+    pooled = table[ids].mean(1)
+    err = pooled @ w - y
+    loss = np.mean(err**2)
+    d_pooled = (2 * err / b)[:, None] * w[None, :]
+    g_w = pooled.T @ (2 * err / b)
+    g = np.zeros_like(table)
+    np.add.at(g, ids.reshape(-1), np.repeat(d_pooled / bag, bag, axis=0))
+    rows = np.unique(ids)
+    lr, eps = hp["lr"], hp.get("eps_fbgemm", 0.0)
+    table = table.copy()
+    if optimizer == "sgd":
+        table[rows] -= lr * g[rows]
+    elif optimizer == "rowwise_adagrad":
+        acc = acc.copy()
+        acc[rows] += np.mean(g[rows] ** 2, axis=1)
+        table[rows] -= lr * g[rows] / (np.sqrt(acc[rows]) + eps)[:, None]
+    else:
+        acc = acc.copy()
+        acc[rows] += g[rows] ** 2
+        table[rows] -= lr * g[rows] / (np.sqrt(acc[rows]) + eps)
+    return (table, w - lr * g_w), acc, loss
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad"])
+def test_peers_step_follows_fbgemms_rules(bench, optimizer):
+    """The jaxslices step of peers_bench/soak_bench, with PEERS_HPARAMS, computes
+    FBGEMM's updates, with many duplicate ids (Adagrad: FBGEMM's eps outside
+    the square root, jaxslices' inside, eps**2: equal to a relative
+    eps / sqrt(acc), 1e-5 here)."""
+    import jax.numpy as jnp
+
+    common = bench("_common")
+    d = common.peers_data(64, dim=8, batch=16, bag=4, num_batches=3)
+    assert len(np.unique(d["ids"][0])) < d["ids"][0].size  # duplicates
+    tx = common.peers_optimizer(optimizer)
+    step = common.peers_step(tx)
+    params = {"emb": jnp.asarray(d["table"]), "w": jnp.asarray(d["w"])}
+    state = tx.init(params)
+    ref = (d["table"].astype(np.float64), d["w"].astype(np.float64))
+    acc = np.zeros(64) if optimizer == "rowwise_adagrad" else np.zeros((64, 8))
+    for i in range(3):
+        params, state, loss = step(params, state, d["ids"][i], d["y"][i])
+        ref, acc, ref_loss = _fbgemm_rules_step(
+            ref, acc, d["ids"][i], d["y"][i], optimizer, common.PEERS_HPARAMS[optimizer]
+        )
+        assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
+        np.testing.assert_allclose(params["emb"], ref[0], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(params["w"], ref[1], rtol=1e-4, atol=1e-6)
+
+
+def test_peers_bench_smoke(bench, tmp_path):
+    """The jaxslices workers (XLA and native switches) against each other, and
+    FBGEMM's when JAXSLICES_TORCHREC_PYTHON names a torch environment."""
+    peers_bench = bench("peers_bench")
+    configs = ("xla", "native")
+    if TORCHREC_PYTHON:
+        configs = ("fbgemm_1thread", *configs)
+    report = peers_bench.main(
+        num_rows=(256,),
+        optimizers=("adagrad",),
+        configs=configs,
+        torchrec_python=TORCHREC_PYTHON,
+        dim=8,
+        batch=8,
+        bag=4,
+        num_batches=2,
+        steps=2,
+        rounds=1,
+        repeats=2,
+        out=str(tmp_path),
+        command="smoke",
+    )
+    assert [r["config"] for r in report["rows"]] == list(configs)
+    for row in report["rows"]:
+        assert row["median_ms"] > 0 and row["cpu_ms"] >= 0
+        assert row["page_faults_per_step"] >= 0
+        assert row["steps_timed"] == 4 and len(row["repeats"]) == 2
+        assert row["check"]["agree"], row["check_losses"]
+    assert report["losses_agree"]
+    workers = report["workers"]
+    assert workers["256/adagrad/xla"]["JAXSLICES_NATIVE"] == "0"
+    assert workers["256/adagrad/native"]["JAXSLICES_NATIVE"] == "1"
+    assert "| adagrad | 256 |" in report["table"]
+    saved = json.loads((tmp_path / "peers_bench_cpu.json").read_text())
+    assert saved["command"] == "smoke" and saved["reference"] == configs[0]
+    assert (tmp_path / "peers_bench_cpu.png").stat().st_size > 1000
+
+
+def test_soak_bench_smoke(bench, tmp_path):
+    soak_bench = bench("soak_bench")
+    report = soak_bench.main(
+        num_rows=256,
+        optimizers=("rowwise_adagrad",),
+        modes=("xla", "native"),
+        dim=8,
+        batch=8,
+        bag=4,
+        num_batches=2,
+        steps=40,
+        every=10,
+        baseline_step=20,
+        out=str(tmp_path),
+    )
+    assert [(r["mode"], r["optimizer"]) for r in report["runs"]] == [
+        ("xla", "rowwise_adagrad"),
+        ("native", "rowwise_adagrad"),
+    ]
+    for run in report["runs"]:
+        assert [s["step"] for s in run["samples"]] == [10, 20, 30, 40]
+        assert run["baseline_step"] == 20 and math.isfinite(run["growth_mb"])
+        assert math.isfinite(run["steady_growth_mb"]) and run["temp_mb"] > 0
+        assert math.isfinite(run["final_loss"]) and run["table_in_place"]
+    saved = json.loads((tmp_path / "soak_bench_cpu.json").read_text())
+    assert saved["table"] == report["table"]
+    assert (tmp_path / "soak_bench_cpu.png").stat().st_size > 1000

@@ -11,7 +11,9 @@ static void Apply(const Recipe<Id>& r, float* table, int64_t num_rows,
                   bool sum_duplicates, bool coalesced) {
   const int64_t R = r.row;
   if (!sum_duplicates || coalesced) {
+    auto rows_of = r.cursor();
     for (int64_t s = 0; s < r.num_slots; ++s) {
+      const float* x = rows_of.next();
       if (s + kPrefetch < r.num_slots) {
         Id ahead = r.ids[s + kPrefetch];
         if (ahead >= 0 && ahead < num_rows) {
@@ -20,27 +22,28 @@ static void Apply(const Recipe<Id>& r, float* table, int64_t num_rows,
       }
       Id id = r.ids[s];
       if (id < 0 || id >= num_rows) continue;
-      const float* x = r.source(s);
       if (!x) continue;
       Axpy(table + static_cast<int64_t>(id) * R, x, r.factor(s), R, false);
     }
     return;
   }
-  std::vector<float>& acc = ThreadScratch<float>();
-  std::vector<Id>& uids = ThreadScratch<Id>();
+  std::vector<float>& acc = ThreadScratch<float, kApplyRows>();
+  std::vector<Id>& uids = ThreadScratch<Id, kApplyIds>();
   if (static_cast<int64_t>(acc.size()) < r.num_slots * R) acc.resize(r.num_slots * R);
   if (static_cast<int64_t>(uids.size()) < r.num_slots) uids.resize(r.num_slots);
   int64_t total = 0;
-  int64_t count =
-      Coalesce(r, num_rows, false, r.num_slots, acc.data(), uids.data(), &total);
-  for (int64_t j = 0; j < count; ++j) {
-    if (j + kPrefetch < count) {
-      PrefetchRow(table + static_cast<int64_t>(uids[j + kPrefetch]) * R, R, true);
+  Id* u = uids.data();
+  float* rows = acc.data();
+  // Each id's summed row is added to the table as soon as it is complete.
+  auto add_row = [&](int64_t j) {
+    if (j + kPrefetch < total) {
+      PrefetchRow(table + static_cast<int64_t>(u[j + kPrefetch]) * R, R, true);
     }
-    float* t = table + static_cast<int64_t>(uids[j]) * R;
-    const float* a = acc.data() + j * R;
+    float* t = table + static_cast<int64_t>(u[j]) * R;
+    const float* a = rows + j * R;
     for (int64_t k = 0; k < R; ++k) t[k] += a[k];
-  }
+  };
+  Coalesce(r, num_rows, false, r.num_slots, rows, u, &total, add_row);
 }
 
 static ffi::Error ApplyImpl(ffi::AnyBuffer table, ffi::AnyBuffer src,

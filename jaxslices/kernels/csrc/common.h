@@ -54,6 +54,38 @@ struct Recipe {
     if (b < 0 || b >= num_src) return nullptr;
     return src + b * row;
   }
+
+  // The source rows of slots 0, 1, 2, ... in turn, without a division per
+  // slot for padded bags (an integer division costs more than the row's
+  // arithmetic): call next() once per slot, in order.
+  struct Cursor {
+    const Recipe* r;
+    int64_t s = 0, b = 0, j = 0;
+    const float* next() {
+      int64_t i = next_index();
+      return i < 0 ? nullptr : r->src + i * r->row;
+    }
+    // The source row's index (-1: none) of the next slot.
+    int64_t next_index() {
+      const Recipe& q = *r;
+      int64_t src_row;
+      if (q.bag) {
+        src_row = q.bag[s];
+      } else if (q.length > 0) {
+        src_row = b;
+        if (++j == q.length) {
+          j = 0;
+          ++b;
+        }
+      } else {
+        src_row = s;
+      }
+      ++s;
+      if (src_row < 0 || src_row >= q.num_src) return -1;
+      return src_row;
+    }
+  };
+  Cursor cursor() const { return Cursor{this}; }
   float factor(int64_t s) const { return weight ? scale * weight[s] : scale; }
 };
 
@@ -80,46 +112,53 @@ class IdMap {
   void Reset(int64_t n) {
     int64_t cap = 16;
     while (cap < 2 * n) cap <<= 1;
-    if (static_cast<int64_t>(keys_.size()) < cap) {
-      keys_.assign(cap, 0);
-      vals_.assign(cap, 0);
-      stamps_.assign(cap, 0);
+    if (static_cast<int64_t>(entries_.size()) < cap) {
+      entries_.assign(cap, Entry{0, 0, 0});
       gen_ = 0;
     }
-    cap_ = cap;
     mask_ = cap - 1;
     if (++gen_ == 0) {  // wrapped: clear the stamps once
-      std::fill(stamps_.begin(), stamps_.end(), 0);
+      for (Entry& e : entries_) e.stamp = 0;
       gen_ = 1;
     }
   }
 
+  // Start loading the entry where `id`'s probe begins (a cache miss).
+  void Prefetch(int64_t id) const {
+    __builtin_prefetch(&entries_[Home(id)], 1, 3);
+  }
+
   // The slot of `id`, inserting it as slot `next` if new (then *inserted).
   int64_t FindOrInsert(int64_t id, int64_t next, bool* inserted) {
-    uint64_t h = static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull;
-    int64_t i = static_cast<int64_t>(h >> 17) & mask_;
+    int64_t i = Home(id);
     while (true) {
-      if (stamps_[i] != gen_) {
-        stamps_[i] = gen_;
-        keys_[i] = id;
-        vals_[i] = static_cast<int32_t>(next);
+      Entry& e = entries_[i];  // one cache line holds a probe's whole entry
+      if (e.stamp != gen_) {
+        e = Entry{id, static_cast<int32_t>(next), gen_};
         *inserted = true;
         return next;
       }
-      if (keys_[i] == id) {
+      if (e.key == id) {
         *inserted = false;
-        return vals_[i];
+        return e.slot;
       }
       i = (i + 1) & mask_;
     }
   }
 
  private:
-  std::vector<int64_t> keys_;
-  std::vector<int32_t> vals_;
-  std::vector<uint32_t> stamps_;
+  int64_t Home(int64_t id) const {
+    uint64_t h = static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull;
+    return static_cast<int64_t>(h >> 17) & mask_;
+  }
+
+  struct Entry {
+    int64_t key;
+    int32_t slot;
+    uint32_t stamp;
+  };
+  std::vector<Entry> entries_;
   uint32_t gen_ = 0;
-  int64_t cap_ = 0;
   int64_t mask_ = 0;
 };
 
@@ -128,7 +167,10 @@ inline IdMap& ThreadIdMap() {
   return map;
 }
 
-template <typename T>
+// Scratch buffers reused between calls, one per (type, use) and thread.
+enum Scratch { kGroups, kApplyRows, kApplyIds };
+
+template <typename T, Scratch use>
 std::vector<T>& ThreadScratch() {
   thread_local std::vector<T> v;
   return v;
@@ -152,6 +194,20 @@ inline void PrefetchRow(const float* p, int64_t n, bool write) {
   }
 }
 
+// Sum of squares of x[0:n], in 8 interleaved partial sums (a plain `s +=
+// x * x` loop cannot be vectorised: float addition is not associative).
+inline float SumSquares(const float* x, int64_t n) {
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    for (int j = 0; j < 8; ++j) part[j] += x[k + j] * x[k + j];
+  }
+  float s = 0.f;
+  for (; k < n; ++k) s += x[k] * x[k];
+  for (int j = 0; j < 8; ++j) s += part[j];
+  return s;
+}
+
 // acc[0:R] (+)= f * x[0:R]
 inline void Axpy(float* acc, const float* x, float f, int64_t r, bool first) {
   if (first) {
@@ -161,56 +217,131 @@ inline void Axpy(float* acc, const float* x, float f, int64_t r, bool first) {
   }
 }
 
+// Sum each id's slots (grouped by `start`/`order`) into rows[j], calling
+// on_row(j) after each. W > 0: the row width at compile time, so that the
+// sum stays in registers and each row is written once; W = 0: any width.
+template <int W, typename Id, typename OnRow>
+void SumGroups(const Recipe<Id>& r, int64_t count, const int32_t* start,
+               const int32_t* order, const int32_t* src_row, float* rows,
+               OnRow&& on_row) {
+  const int64_t R = W > 0 ? W : r.row;
+  int64_t begin = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    float* out = rows + j * R;
+    if constexpr (W > 0) {
+      float acc[W > 0 ? W : 1];
+      for (int64_t k = 0; k < W; ++k) acc[k] = 0.f;
+      for (int64_t q = begin; q < start[j]; ++q) {
+        int32_t s = order[q];
+        if (src_row[s] < 0) continue;
+        const float* x = r.src + static_cast<int64_t>(src_row[s]) * W;
+        float f = r.factor(s);
+        for (int64_t k = 0; k < W; ++k) acc[k] += f * x[k];
+      }
+      for (int64_t k = 0; k < W; ++k) out[k] = acc[k];
+    } else {
+      bool first = true;
+      for (int64_t q = begin; q < start[j]; ++q) {
+        int32_t s = order[q];
+        if (src_row[s] < 0) continue;
+        Axpy(out, r.src + static_cast<int64_t>(src_row[s]) * R, r.factor(s), R,
+             first);
+        first = false;
+      }
+      if (first) std::memset(out, 0, sizeof(float) * R);
+    }
+    on_row(j);
+    begin = start[j];
+  }
+}
+
 // Sum the recipe's rows per distinct valid id, in order of first appearance:
-// rows[j] (R floats each) and uids[j] for j < count. Returns count, or -1 if
-// more than `capacity` distinct ids were found (then nothing is written past
-// `capacity`, and `*total` holds the true count).
-template <typename Id>
+// rows[j] (R floats each) and uids[j] for j < count, calling on_row(j) as
+// soon as row j is complete (the caller applies its rule while the row is in
+// cache). Returns count, or -1 if more than `capacity` distinct ids were
+// found: then on_row is never called, nothing is written past `capacity`,
+// and `*total` holds the true count.
+template <typename Id, typename OnRow>
 int64_t Coalesce(const Recipe<Id>& r, int64_t num_rows, bool coalesced,
-                 int64_t capacity, float* rows, Id* uids, int64_t* total) {
+                 int64_t capacity, float* rows, Id* uids, int64_t* total,
+                 OnRow&& on_row) {
+  const int64_t n = r.num_slots;
   int64_t count = 0;
-  bool over = false;
-  if (coalesced) {
-    for (int64_t s = 0; s < r.num_slots; ++s) {
+  auto rows_of = r.cursor();
+  if (coalesced) {  // the valid ids are distinct: one row per valid slot
+    for (int64_t s = 0; s < n; ++s) {
+      Id id = r.ids[s];
+      count += (id >= 0 && id < num_rows);
+    }
+    *total = count;
+    if (count > capacity) return -1;
+    int64_t j = 0;
+    for (int64_t s = 0; s < n; ++s) {
+      const float* x = rows_of.next();
       Id id = r.ids[s];
       if (id < 0 || id >= num_rows) continue;
-      const float* x = r.source(s);
-      if (count < capacity) {
-        uids[count] = id;
-        float* acc = rows + count * r.row;
-        if (x) Axpy(acc, x, r.factor(s), r.row, true);
-        else std::memset(acc, 0, sizeof(float) * r.row);
-      } else {
-        over = true;
-      }
+      uids[j] = id;
+      float* acc = rows + j * r.row;
+      if (x) Axpy(acc, x, r.factor(s), r.row, true);
+      else std::memset(acc, 0, sizeof(float) * r.row);
+      on_row(j);
+      ++j;
+    }
+    return count;
+  }
+  // Three passes over the slots' integers, then one over the rows: each
+  // distinct id's slots are summed together and its row written once
+  // (summing straight into the rows would read and write a random row of a
+  // megabyte-sized buffer per slot). Within an id, slots are summed in their
+  // order (as a sequential sum would).
+  IdMap& map = ThreadIdMap();
+  map.Reset(n);
+  std::vector<int32_t>& group = ThreadScratch<int32_t, kGroups>();
+  if (static_cast<int64_t>(group.size()) < 4 * n + 1) group.resize(4 * n + 1);
+  int32_t* slot_j = group.data();  // slot -> its id's position j (-1: none)
+  int32_t* src_row = slot_j + n;   // slot -> its source row (-1: none)
+  int32_t* order = src_row + n;    // the slots, grouped by j
+  int32_t* start = order + n;      // count + 1 entries (count <= n)
+  constexpr int64_t kAhead = 16;   // hash entries loaded this many slots ahead
+  for (int64_t s = 0; s < n; ++s) {
+    if (s + kAhead < n) {
+      Id ahead = r.ids[s + kAhead];
+      if (ahead >= 0 && ahead < num_rows) map.Prefetch(ahead);
+    }
+    src_row[s] = static_cast<int32_t>(rows_of.next_index());
+    Id id = r.ids[s];
+    if (id < 0 || id >= num_rows) {
+      slot_j[s] = -1;
+      continue;
+    }
+    bool inserted;
+    int64_t j = map.FindOrInsert(static_cast<int64_t>(id), count, &inserted);
+    if (inserted) {
+      if (count < capacity) uids[count] = id;
       ++count;
     }
-  } else {
-    IdMap& map = ThreadIdMap();
-    map.Reset(r.num_slots);
-    for (int64_t s = 0; s < r.num_slots; ++s) {
-      Id id = r.ids[s];
-      if (id < 0 || id >= num_rows) continue;
-      bool inserted;
-      int64_t j = map.FindOrInsert(static_cast<int64_t>(id), count, &inserted);
-      if (inserted) ++count;
-      if (j >= capacity) {
-        over = true;
-        continue;
-      }
-      float* acc = rows + j * r.row;
-      const float* x = r.source(s);
-      if (inserted) {
-        uids[j] = id;
-        if (x) Axpy(acc, x, r.factor(s), r.row, true);
-        else std::memset(acc, 0, sizeof(float) * r.row);
-      } else if (x) {
-        Axpy(acc, x, r.factor(s), r.row, false);
-      }
-    }
+    slot_j[s] = static_cast<int32_t>(j);
   }
   *total = count;
-  return over ? -1 : count;
+  if (count > capacity) return -1;
+  std::fill(start, start + count + 1, 0);
+  for (int64_t s = 0; s < n; ++s) {
+    if (slot_j[s] >= 0) ++start[slot_j[s] + 1];
+  }
+  for (int64_t j = 0; j < count; ++j) start[j + 1] += start[j];
+  for (int64_t s = 0; s < n; ++s) {  // start[j]: where id j's slots begin
+    int32_t j = slot_j[s];
+    if (j >= 0) order[start[j]++] = static_cast<int32_t>(s);
+  }
+  // start[j] is now the end of id j's slots.
+  switch (r.row) {  // rows of a fixed width are summed in registers
+    case 16: SumGroups<16>(r, count, start, order, src_row, rows, on_row); break;
+    case 32: SumGroups<32>(r, count, start, order, src_row, rows, on_row); break;
+    case 64: SumGroups<64>(r, count, start, order, src_row, rows, on_row); break;
+    case 128: SumGroups<128>(r, count, start, order, src_row, rows, on_row); break;
+    default: SumGroups<0>(r, count, start, order, src_row, rows, on_row);
+  }
+  return count;
 }
 
 template <typename Id>

@@ -51,9 +51,7 @@ static inline void ApplyRule(int64_t rule, const Ctx& c, float* g, float* st,
     }
     case kRowNorm: {
       float m = hp[0];
-      float ss = 0.f;
-      for (int64_t k = 0; k < R; ++k) ss += g[k] * g[k];
-      float norm = std::sqrt(ss);
+      float norm = std::sqrt(SumSquares(g, R));
       if (norm > m) {
         float f = m / norm;
         for (int64_t k = 0; k < R; ++k) g[k] *= f;
@@ -71,9 +69,7 @@ static inline void ApplyRule(int64_t rule, const Ctx& c, float* g, float* st,
     }
     case kRowwiseRss: {
       float eps = hp[0];
-      float ss = 0.f;
-      for (int64_t k = 0; k < R; ++k) ss += g[k] * g[k];
-      float acc = st[0] + ss / static_cast<float>(R);
+      float acc = st[0] + SumSquares(g, R) / static_cast<float>(R);
       st[0] = acc;
       float denom = acc > 0.f ? std::sqrt(acc) + eps : 1.f;
       for (int64_t k = 0; k < R; ++k) g[k] = g[k] / denom;
@@ -146,8 +142,7 @@ static inline void ApplyRule(int64_t rule, const Ctx& c, float* g, float* st,
       if (std::isinf(p_type)) {
         for (int64_t k = 0; k < R; ++k) norm = std::fmax(norm, std::fabs(st[k]));
       } else if (p_type == 2.f) {
-        for (int64_t k = 0; k < R; ++k) norm += st[k] * st[k];
-        norm = std::sqrt(norm);
+        norm = std::sqrt(SumSquares(st, R));
       } else if (p_type == 1.f) {
         for (int64_t k = 0; k < R; ++k) norm += std::fabs(st[k]);
       } else {
@@ -170,40 +165,40 @@ static ffi::Error Rowwise(const Recipe<Id>& r, int64_t rule, int64_t flags,
                           float* rows, int64_t capacity, int32_t* count_out,
                           float* sumsq_out) {
   int64_t total = 0;
-  int64_t count = Coalesce(r, num_rows, flags & kCoalesced, capacity, rows,
-                           uids, &total);
+  Ctx c{r.row, hp, flags};
+  const bool want_sumsq = flags & kWantSumSq;
+  double ss = 0.0;
+  auto on_row = [&](int64_t j) {
+    float* g = rows + j * r.row;
+    if (want_sumsq) ss += SumSquares(g, r.row);
+    if (rule == kCoalesce) return;
+    int64_t id = static_cast<int64_t>(uids[j]);
+    float* st = state ? state + id * state_row : nullptr;
+    const float* p = params ? params + id * r.row : nullptr;
+    ApplyRule(rule, c, g, st, p);
+  };
+  // Prefetch the state (and params) rows of the ids a few rows ahead: known
+  // once the ids are hashed, i.e. in the pass that sums the rows.
+  auto on_row_prefetching = [&](int64_t j) {
+    if (j + kPrefetch < total && j + kPrefetch < capacity) {
+      int64_t ahead = static_cast<int64_t>(uids[j + kPrefetch]);
+      if (state) PrefetchRow(state + ahead * state_row, state_row, true);
+      if (params) PrefetchRow(params + ahead * r.row, r.row, false);
+    }
+    on_row(j);
+  };
+  const bool coalesced = flags & kCoalesced;
+  int64_t count = coalesced
+                      ? Coalesce(r, num_rows, true, capacity, rows, uids, &total, on_row)
+                      : Coalesce(r, num_rows, false, capacity, rows, uids, &total,
+                                 on_row_prefetching);
   *count_out = static_cast<int32_t>(total);
-  if (count < 0) {  // over capacity: the wrapper raises; nothing changes
+  if (count < 0) {  // over capacity: the wrapper raises; nothing changed
     for (int64_t j = 0; j < capacity; ++j) uids[j] = static_cast<Id>(num_rows);
     *sumsq_out = 0.f;
     return ffi::Error::Success();
   }
-  if (flags & kWantSumSq) {
-    double ss = 0.0;
-    for (int64_t j = 0; j < count; ++j) {
-      const float* g = rows + j * r.row;
-      float part = 0.f;
-      for (int64_t k = 0; k < r.row; ++k) part += g[k] * g[k];
-      ss += part;
-    }
-    *sumsq_out = static_cast<float>(ss);
-  } else {
-    *sumsq_out = 0.f;
-  }
-  Ctx c{r.row, hp, flags};
-  if (rule != kCoalesce) {
-    for (int64_t j = 0; j < count; ++j) {
-      if (j + kPrefetch < count) {
-        int64_t ahead = static_cast<int64_t>(uids[j + kPrefetch]);
-        if (state) PrefetchRow(state + ahead * state_row, state_row, true);
-        if (params) PrefetchRow(params + ahead * r.row, r.row, false);
-      }
-      int64_t id = static_cast<int64_t>(uids[j]);
-      float* st = state ? state + id * state_row : nullptr;
-      const float* p = params ? params + id * r.row : nullptr;
-      ApplyRule(rule, c, rows + j * r.row, st, p);
-    }
-  }
+  *sumsq_out = static_cast<float>(ss);
   for (int64_t j = count; j < capacity; ++j) uids[j] = static_cast<Id>(num_rows);
   return ffi::Error::Success();
 }
