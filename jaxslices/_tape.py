@@ -131,6 +131,13 @@ class Tape:
         if self.mode == "discover":
             self._record(ks, table, ids, bag.dtype, bag.pooled_shape)
             return None
+        if self._expects_rows(ks):
+            # Discovery looked this bag up as rows (the native path's gate,
+            # asked on every trace, can answer differently on a later one:
+            # JAX 0.11 gives a tracer the mesh of an earlier eager op on a
+            # mesh, a concrete array it does not). The first trace's path
+            # holds, so that every trace makes the same lookups.
+            return ROWS
         tap = self._next_tap(ks, ids, bag.pooled_shape)
         if self.sever:
             table = jax.lax.stop_gradient(table)
@@ -156,6 +163,13 @@ class Tape:
                 pooled=pooled,
             )
         )
+
+    def _expects_rows(self, ks) -> bool:
+        """Tap mode: whether the next recorded lookup is of ``ks``' rows."""
+        if self.cursor >= len(self.expected):
+            return False
+        rec = self.expected[self.cursor]
+        return rec.leaf in ks and rec.pooled is None
 
     def _next_tap(self, ks, ids, pooled=None) -> Any:
         """Tap mode: the tap of the next recorded lookup, which this one must be.

@@ -810,3 +810,26 @@ def test_apply_with_and_without_summing_duplicates_first(length):
             lambda t, s=sum_duplicates: _ops.apply(t, rec, ids, sum_duplicates=s)
         )(table)
         np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_a_gate_that_changes_its_answer_between_traces_keeps_the_first_path(
+    monkeypatch,
+):
+    """The native gate is asked on every trace of the loss; if discovery's trace
+    took the XLA path and a later one is told "native" (JAX 0.11.2 gave a
+    tracer the mesh of an earlier eager op on a mesh, not a concrete array:
+    tests/scale/test_sharding.py), the later trace follows discovery instead
+    of failing with "different embedding lookups on different traces"."""
+    answers = iter(["XLA for the first trace"])
+    real = _ops._why_not
+    monkeypatch.setattr(_ops, "_why_not", lambda *a: next(answers, None) or real(*a))
+    table = jnp.arange(40.0).reshape(10, 4)
+    ids = jnp.array([[1, 2, 2], [9, 0, -1]], jnp.int32)
+
+    def loss(t):
+        return jnp.sum(js.embedding_bag(t, ids, combiner="mean") ** 2)
+
+    g = js.grad(loss)(table)
+    assert next(answers, "used") == "used"  # the first trace did take XLA
+    want = jax.grad(loss)(table)
+    np.testing.assert_allclose(js.to_dense(g), want, rtol=1e-6)
