@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -95,21 +96,30 @@ def _hlo_text(compiled_or_text: Any) -> str:
     return compiled_or_text.as_text()
 
 
-def collectives(compiled_or_text: Any) -> list[Collective]:
-    """Every collective of a compiled executable (or its HLO text).
+def _instructions(compiled_or_text: Any) -> Iterator[tuple[str, str, str, str, dict]]:
+    """``(name, shape, op, rest of the line, shapes so far)`` per instruction.
 
-    Async pairs (``all-gather-start`` / ``-done``) count once, at the start.
+    ``shapes`` maps every instruction seen so far (this one included) to its
+    shape text, so an operand's shape can be looked up by its name.
     """
-    text = _hlo_text(compiled_or_text)
     shapes: dict[str, str] = {}
-    found = []
-    for line in text.splitlines():
+    for line in _hlo_text(compiled_or_text).splitlines():
         m = _INSTR.match(line)
         if not m:
             continue
         name, shape_text, op, rest = m.groups()
         name = name.lstrip("%")
         shapes[name] = shape_text
+        yield name, shape_text, op, rest, shapes
+
+
+def collectives(compiled_or_text: Any) -> list[Collective]:
+    """Every collective of a compiled executable (or its HLO text).
+
+    Async pairs (``all-gather-start`` / ``-done``) count once, at the start.
+    """
+    found = []
+    for name, shape_text, op, rest, shapes in _instructions(compiled_or_text):
         kind = op[: -len("-start")] if op.endswith("-start") else op
         if kind not in KINDS:
             continue
@@ -142,16 +152,8 @@ class Gather:
 
 def gathers(compiled_or_text: Any) -> list[Gather]:
     """Every ``gather`` of a compiled executable (or its HLO text), fused ones too."""
-    text = _hlo_text(compiled_or_text)
-    shapes: dict[str, str] = {}
     found = []
-    for line in text.splitlines():
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, shape_text, op, rest = m.groups()
-        name = name.lstrip("%")
-        shapes[name] = shape_text
+    for name, shape_text, op, rest, shapes in _instructions(compiled_or_text):
         if op != "gather":
             continue
         first = rest.split(")", 1)[0].split(",")[0].strip().split(" ")[-1]
