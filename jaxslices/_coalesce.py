@@ -269,7 +269,7 @@ def _count_valid_runs(sorted_idx: jax.Array, starts: jax.Array, num_rows: int):
     """Distinct valid ids of sorted safe ids (every invalid one is ``V``, last)."""
     if sorted_idx.shape[0] == 0:
         return jnp.zeros((), jnp.int32)
-    runs = jnp.sum(starts.astype(jnp.int32))
+    runs = jnp.sum(starts, dtype=jnp.int32)
     return runs - (sorted_idx[-1] >= num_rows).astype(jnp.int32)
 
 

@@ -701,7 +701,7 @@ def coalesce_bounded(
     if s.unique_indices and (s.indices_sorted or unsorted_ok):
         if size == n:
             return s  # coalesced already: free
-        count = jnp.sum(valid_mask(s).astype(jnp.int32))
+        count = jnp.sum(valid_mask(s), dtype=jnp.int32)
         kept = _build(s.values[:size], s._indices[:size], s.dense_shape)
         return _guard_count(kept, count, size, where, s.indices_sorted)
     if n == 0:
