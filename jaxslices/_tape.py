@@ -131,13 +131,6 @@ class Tape:
         if self.mode == "discover":
             self._record(ks, table, ids, bag.dtype, bag.pooled_shape)
             return None
-        if self._expects_rows(ks):
-            # Discovery looked this bag up as rows (the native path's gate,
-            # asked on every trace, can answer differently on a later one:
-            # JAX 0.11 gives a tracer the mesh of an earlier eager op on a
-            # mesh, a concrete array it does not). The first trace's path
-            # holds, so that every trace makes the same lookups.
-            return ROWS
         tap = self._next_tap(ks, ids, bag.pooled_shape)
         if self.sever:
             table = jax.lax.stop_gradient(table)
@@ -145,6 +138,25 @@ class Tape:
         self.rows.append(pooled)
         self.bags.append((bag.weight, bag.scale, bag.bag))
         return pooled + tap
+
+    def expects_pooled(self, table: Any) -> bool | None:
+        """Whether discovery looked the next lookup of ``table`` up as a bag.
+
+        ``None`` where the tape has no say (discovery itself, a table it does
+        not watch, below the loss's top level). The path of a bag lookup (the
+        pooled native bag or rows) is decided once per ``value_and_grad``, on
+        discovery's trace: the native path's gate can answer differently on
+        a later trace of the same loss (under an outer ``jax.vmap`` discovery
+        sees unbatched ids and the differentiating pass batched ones; JAX
+        0.11 gives a tracer the mesh of an earlier eager op on a mesh).
+        """
+        ks = self.leaves_of(table)
+        if self.mode != "tap" or not self.sparse_leaves.intersection(ks):
+            return None
+        if trace_state() != self.state or self.cursor >= len(self.expected):
+            return None
+        rec = self.expected[self.cursor]
+        return (rec.pooled is not None) if rec.leaf in ks else None
 
     def _record(self, ks, table, ids, dtype, pooled=None) -> None:
         """Discovery: record a top-level lookup (or make its table dense)."""
@@ -163,13 +175,6 @@ class Tape:
                 pooled=pooled,
             )
         )
-
-    def _expects_rows(self, ks) -> bool:
-        """Tap mode: whether the next recorded lookup is of ``ks``' rows."""
-        if self.cursor >= len(self.expected):
-            return False
-        rec = self.expected[self.cursor]
-        return rec.leaf in ks and rec.pooled is None
 
     def _next_tap(self, ks, ids, pooled=None) -> Any:
         """Tap mode: the tap of the next recorded lookup, which this one must be.
@@ -342,6 +347,17 @@ def lookup(
     """The active tape's version of a lookup, or ``None`` for a plain one."""
     stack = _STATE.stack
     return stack[-1].lookup(table, ids, gather) if stack else None
+
+
+def expects_pooled(table: Any) -> bool | None:
+    """The active tape's path for the next bag lookup of ``table`` (or ``None``).
+
+    See :meth:`Tape.expects_pooled`: a bag lookup asks this before the native
+    path's gate, so that every trace of one ``value_and_grad`` takes the path
+    its discovery took.
+    """
+    stack = _STATE.stack
+    return stack[-1].expects_pooled(table) if stack else None
 
 
 def bag(table: Any, ids: jax.Array, lookup: BagLookup) -> Any:

@@ -370,12 +370,16 @@ def embedding_bag(
         return _max_pool(rows, counted, segments)
     if max_norm is not None and handler is None:
         kernel_ops.note(where, "max_norm (the bag kernel does not renormalise rows)")
-    if (
+    native = (
         handler is None
         and max_norm is None
         and (dtype is None or jnp.dtype(dtype) == table.dtype)
         and kernel_ops.route(where, table, weights, safe)
-    ):
+    )
+    expected = _tape.expects_pooled(table) if handler is None else None
+    if expected is not None:  # the path this value_and_grad's discovery took
+        native = expected
+    if native:
         compute = table.dtype
         w = counted.astype(compute)
         if weights is not None:

@@ -475,7 +475,9 @@ def _native(table, gids, b) -> bool:
     if b.pieces > 1:
         kernel_ops.note(f"{WHERE} buffer {b.name!r}", "column-wise pieces")
         return False
-    return kernel_ops.route(f"{WHERE} buffer {b.name!r}", table, gids)
+    native = kernel_ops.route(f"{WHERE} buffer {b.name!r}", table, gids)
+    expected = _tape.expects_pooled(table)  # this value_and_grad's first path
+    return native if expected is None else expected
 
 
 def _pool(table, gids, w, scale, n_bags, length, bag=None):

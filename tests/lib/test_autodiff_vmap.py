@@ -183,3 +183,98 @@ def test_equinox_module_per_example():
         grads.emb.weight.to_dense(), want.emb.weight, rtol=1e-5, atol=1e-6
     )
     np.testing.assert_allclose(grads.w, want.w, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------ per-example gradients: vmap(value_and_grad)
+# Bags and collections pool on the native path where the kernels run; under
+# an outer vmap, discovery sees unbatched ids and the differentiating pass
+# batched ones, so the path must be decided once per value_and_grad.
+
+
+def _per_example(loss, params, *batched):
+    """``vmap(js.value_and_grad)`` densified, and ``vmap(jax.value_and_grad)``."""
+    in_axes = (None,) + (0,) * len(batched)
+    vals, grads = jax.vmap(js.value_and_grad(loss), in_axes=in_axes)(params, *batched)
+    rvals, rgrads = jax.vmap(jax.value_and_grad(loss), in_axes=in_axes)(
+        params, *batched
+    )
+    np.testing.assert_allclose(vals, rvals, rtol=1e-5, atol=1e-6)
+    sparse = []
+    for (path, g), r in zip(
+        jax.tree_util.tree_leaves_with_path(grads, is_leaf=js.is_indexed_slices),
+        jax.tree.leaves(rgrads),
+        strict=True,
+    ):
+        if isinstance(g, js.IndexedSlices):
+            sparse.append(jax.tree_util.keystr(path))
+            g = jax.vmap(lambda s: s.to_dense())(g)
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    return sparse
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("combiner", ["mean", "sum", "sqrtn"])
+def test_per_example_gradients_of_a_bag(native, combiner):
+    """``jax.vmap(js.value_and_grad(loss), in_axes=(None, 0))`` with a bag."""
+    import contextlib
+
+    rng = np.random.default_rng(3)
+    params = _params()
+    ids = jnp.asarray(rng.integers(-1, V + 1, size=(3, B, L)), jnp.int32)
+    y = jnp.asarray(rng.normal(size=(3, B)), jnp.float32)
+
+    def loss(p, ids, y):
+        h = js.embedding_bag(p["tok"], ids, combiner=combiner)
+        return jnp.mean((h @ p["w"] - y) ** 2)
+
+    with contextlib.nullcontext() if native else js.kernels.disabled():
+        assert _per_example(loss, params, ids, y) == ["['tok']"]
+        jitted = jax.jit(jax.vmap(js.grad(loss), in_axes=(None, 0, 0)))
+        g = jitted(params, ids, y)["tok"]
+    want = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(params, ids, y)["tok"]
+    np.testing.assert_allclose(
+        jax.vmap(lambda s: s.to_dense())(g), want, rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_per_example_gradients_of_a_collection(native):
+    import contextlib
+
+    coll = js.EmbeddingCollection(
+        [
+            js.TableConfig("user", rows=13, dim=4),
+            js.TableConfig("item", rows=9, dim=4, features=("item", "clicked")),
+        ]
+    )
+    params = {**coll.init(jax.random.key(0)), "w": jnp.ones((12,))}
+    rng = np.random.default_rng(4)
+    batch = {
+        "user": jnp.asarray(rng.integers(0, 13, size=(3, B, 1)), jnp.int32),
+        "item": jnp.asarray(rng.integers(0, 9, size=(3, B, 2)), jnp.int32),
+        "clicked": jnp.asarray(rng.integers(-1, 10, size=(3, B, L)), jnp.int32),
+    }
+
+    def loss(p, batch):
+        h = coll.concat({k: v for k, v in p.items() if k != "w"}, batch)
+        return jnp.mean(jnp.tanh(h @ p["w"]))
+
+    with contextlib.nullcontext() if native else js.kernels.disabled():
+        assert _per_example(loss, params, batch) == ["['dim4_float32']"]
+
+
+def test_a_bag_inside_vmap_inside_value_and_grad_stays_sparse():
+    """The other direction: vmap inside the loss (the rows path below the top)."""
+    rng = np.random.default_rng(5)
+    params = _params()
+    ids = jnp.asarray(rng.integers(0, V, size=(B, L)), jnp.int32)
+
+    def loss(p, ids):
+        h = jax.vmap(lambda i: js.embedding_bag(p["tok"], i[None])[0])(ids)
+        return jnp.sum(jnp.sin(h @ p["w"]))
+
+    g = js.grad(loss)(params, ids)
+    assert isinstance(g["tok"], js.IndexedSlices)
+    np.testing.assert_allclose(
+        g["tok"].to_dense(), jax.grad(loss)(params, ids)["tok"], rtol=1e-5, atol=1e-6
+    )
