@@ -58,6 +58,15 @@ Conventions (see ``docs/optax.md``):
 
 from __future__ import annotations
 
+from . import (
+    _accumulation,
+    _alias,
+    _clipping,
+    _conditionality,
+    _per_table,
+    _transform,
+    _upgrade,
+)
 from ._accumulation import MultiSteps as MultiSteps
 from ._accumulation import MultiStepsState as MultiStepsState
 from ._alias import FtrlState as FtrlState
@@ -91,37 +100,12 @@ from ._transform import scale_by_schedule as scale_by_schedule
 from ._transform import trace as trace
 from ._upgrade import upgrade_state as upgrade_state
 
-__all__ = [
-    "AddDecayedWeightsState",
-    "FtrlState",
-    "MultiSteps",
-    "MultiStepsState",
-    "PerTableState",
-    "ScaleByLazyAdamState",
-    "ScaleByRowwiseRssState",
-    "ScaleByRssState",
-    "ScaleByScheduleState",
-    "TraceState",
-    "adagrad",
-    "add_decayed_weights",
-    "add_decayed_weights_by_table",
-    "apply_if_finite",
-    "clip",
-    "clip_by_global_norm",
-    "clip_by_row_norm",
-    "densify",
-    "ftrl",
-    "lazy_adam",
-    "lazy_adamw",
-    "rowwise_adagrad",
-    "scale",
-    "scale_by_lazy_adam",
-    "scale_by_learning_rate",
-    "scale_by_rowwise_rss",
-    "scale_by_rss",
-    "scale_by_schedule",
-    "scale_by_table",
-    "sgd",
-    "trace",
-    "upgrade_state",
-]
+# The namespace exports what each module exports (the form type checkers read).
+__all__: list[str] = []
+__all__ += _accumulation.__all__
+__all__ += _alias.__all__
+__all__ += _clipping.__all__
+__all__ += _conditionality.__all__
+__all__ += _per_table.__all__
+__all__ += _transform.__all__
+__all__ += _upgrade.__all__

@@ -19,10 +19,10 @@ from ._rowwise import (
     Native,
     ScalarOrSchedule,
     check_max_distinct,
-    pack_states,
+    packed_pair,
     packed_zeros,
     rowwise_update,
-    unpack,
+    unpacked,
 )
 from ._transform import (
     add_decayed_weights,
@@ -431,21 +431,18 @@ class FtrlState(_FtrlFields):
 
     def __new__(cls, count: Any, n_z: Any, *old: Any) -> FtrlState:
         # Pickles of the separate layout (count, accumulator, linear) load.
-        if len(old) == 1:
-            n_z = pack_states(n_z, old[0])
-        elif old:
-            raise TypeError(f"FtrlState takes (count, n_z), got {2 + len(old)} fields.")
+        n_z = packed_pair("FtrlState", "(count, n_z)", n_z, old)
         return super().__new__(cls, count, n_z)
 
     @property
     def accumulator(self) -> Any:
         """The accumulators ``n``, one array per parameter (a copy)."""
-        return jax.tree.map(lambda x: unpack(x, 2)[0], self.n_z)
+        return unpacked(self.n_z, 0)
 
     @property
     def linear(self) -> Any:
         """The linear terms ``z``, one array per parameter (a copy)."""
-        return jax.tree.map(lambda x: unpack(x, 2)[1], self.n_z)
+        return unpacked(self.n_z, 1)
 
 
 def _power(x: jax.Array, k: ArrayLike) -> jax.Array:

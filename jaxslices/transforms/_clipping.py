@@ -58,21 +58,35 @@ def clip(
       >>> u.indices, u.values
       (Array([1, 2], dtype=int32), Array([1., 0.], dtype=float32))
     """
-    check_method(coalesce_method, "jaxslices.clip")
-    check_max_distinct(max_distinct, "clip")
+    return _stateless(
+        "clip",
+        lambda g: jnp.clip(g, -max_delta, max_delta),
+        Native(_CLIP_SPEC, (max_delta,)),
+        coalesce_method,
+        max_distinct,
+    )
 
-    def rule(g, states, p):
-        return jnp.clip(g, -max_delta, max_delta), ()
+
+def _stateless(
+    name: str,
+    rule: Any,
+    native: Native,
+    coalesce_method: str,
+    max_distinct: Any,
+) -> optax.GradientTransformationExtraArgs:
+    """A transform without state: ``rule`` on dense leaves and coalesced rows."""
+    check_method(coalesce_method, f"jaxslices.{name}")
+    check_max_distinct(max_distinct, name)
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         out = rowwise_update(
-            "clip",
-            rule,
+            name,
+            lambda g, states, p: (rule(g), ()),
             updates,
             method=coalesce_method,
             max_distinct=max_distinct,
-            native=Native(_CLIP_SPEC, (max_delta,)),
+            native=native,
         )
         return out[0], state
 
@@ -190,22 +204,10 @@ def clip_by_row_norm(
       Array([[0.6, 0.8],
              [0.5, 0. ]], dtype=float32)
     """
-    check_method(coalesce_method, "jaxslices.clip_by_row_norm")
-    check_max_distinct(max_distinct, "clip_by_row_norm")
-
-    def rule(g, states, p):
-        return _row_norm_scale(g, max_norm), ()
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        out = rowwise_update(
-            "clip_by_row_norm",
-            rule,
-            updates,
-            method=coalesce_method,
-            max_distinct=max_distinct,
-            native=Native(_ROW_NORM_SPEC, (max_norm,)),
-        )
-        return out[0], state
-
-    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+    return _stateless(
+        "clip_by_row_norm",
+        lambda g: _row_norm_scale(g, max_norm),
+        Native(_ROW_NORM_SPEC, (max_norm,)),
+        coalesce_method,
+        max_distinct,
+    )

@@ -269,6 +269,24 @@ def unpack(x: jax.Array, k: int) -> tuple[jax.Array, ...]:
     return tuple(jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(k))
 
 
+def unpacked(tree: Any, i: int, k: int = 2) -> Any:
+    """State ``i`` of the ``k`` packed in each leaf of ``tree`` (copies)."""
+    return jax.tree.map(lambda x: unpack(x, k)[i], tree)
+
+
+def packed_pair(state: str, fields: str, packed: Any, old: tuple[Any, ...]) -> Any:
+    """The packed field of a ``(count, packed)`` state, also from an old pickle.
+
+    Pickles of the separate layout (``(count, mu, nu)``, say) arrive with one
+    more field, ``old``: the two states are packed here.
+    """
+    if len(old) == 1:
+        return pack_states(packed, old[0])
+    if old:
+        raise TypeError(f"{state} takes {fields}, got {2 + len(old)} fields.")
+    return packed
+
+
 def pack_states(*trees: Any) -> Any:
     """Trees of per-parameter states (one tree per state) packed row-major.
 

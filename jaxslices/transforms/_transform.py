@@ -29,10 +29,10 @@ from ._rowwise import (
     is_leaf,
     leaf_bounds,
     map_values,
-    pack_states,
+    packed_pair,
     packed_zeros,
     rowwise_update,
-    unpack,
+    unpacked,
     zeros_like,
 )
 
@@ -628,23 +628,18 @@ class ScaleByLazyAdamState(_ScaleByLazyAdamFields):
 
     def __new__(cls, count: Any, mu_nu: Any, *old: Any) -> ScaleByLazyAdamState:
         # Pickles of the separate layout (count, mu, nu) load as the new one.
-        if len(old) == 1:
-            mu_nu = pack_states(mu_nu, old[0])
-        elif old:
-            raise TypeError(
-                f"ScaleByLazyAdamState takes (count, mu_nu), got {2 + len(old)} fields."
-            )
+        mu_nu = packed_pair("ScaleByLazyAdamState", "(count, mu_nu)", mu_nu, old)
         return super().__new__(cls, count, mu_nu)
 
     @property
     def mu(self) -> Any:
         """The first moments, one array per parameter (a copy)."""
-        return jax.tree.map(lambda x: unpack(x, 2)[0], self.mu_nu)
+        return unpacked(self.mu_nu, 0)
 
     @property
     def nu(self) -> Any:
         """The second moments, one array per parameter (a copy)."""
-        return jax.tree.map(lambda x: unpack(x, 2)[1], self.mu_nu)
+        return unpacked(self.mu_nu, 1)
 
 
 def scale_by_lazy_adam(
