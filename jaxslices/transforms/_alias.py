@@ -434,15 +434,8 @@ class FtrlState(_FtrlFields):
         n_z = packed_pair("FtrlState", "(count, n_z)", n_z, old)
         return super().__new__(cls, count, n_z)
 
-    @property
-    def accumulator(self) -> Any:
-        """The accumulators ``n``, one array per parameter (a copy)."""
-        return unpacked(self.n_z, 0)
-
-    @property
-    def linear(self) -> Any:
-        """The linear terms ``z``, one array per parameter (a copy)."""
-        return unpacked(self.n_z, 1)
+    accumulator = unpacked("n_z", 0, "The accumulators ``n``.")
+    linear = unpacked("n_z", 1, "The linear terms ``z``.")
 
 
 def _power(x: jax.Array, k: ArrayLike) -> jax.Array:

@@ -269,9 +269,15 @@ def unpack(x: jax.Array, k: int) -> tuple[jax.Array, ...]:
     return tuple(jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(k))
 
 
-def unpacked(tree: Any, i: int, k: int = 2) -> Any:
-    """State ``i`` of the ``k`` packed in each leaf of ``tree`` (copies)."""
-    return jax.tree.map(lambda x: unpack(x, k)[i], tree)
+def unpacked(field: str, i: int, doc: str) -> property:
+    """A state's property: state ``i`` of the two packed in its ``field``.
+
+    One array per parameter (a copy), as the separate layout had it.
+    """
+    return property(
+        lambda self: jax.tree.map(lambda x: unpack(x, 2)[i], getattr(self, field)),
+        doc=f"{doc} One array per parameter (a copy).",
+    )
 
 
 def packed_pair(state: str, fields: str, packed: Any, old: tuple[Any, ...]) -> Any:

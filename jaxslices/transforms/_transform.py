@@ -631,15 +631,8 @@ class ScaleByLazyAdamState(_ScaleByLazyAdamFields):
         mu_nu = packed_pair("ScaleByLazyAdamState", "(count, mu_nu)", mu_nu, old)
         return super().__new__(cls, count, mu_nu)
 
-    @property
-    def mu(self) -> Any:
-        """The first moments, one array per parameter (a copy)."""
-        return unpacked(self.mu_nu, 0)
-
-    @property
-    def nu(self) -> Any:
-        """The second moments, one array per parameter (a copy)."""
-        return unpacked(self.mu_nu, 1)
+    mu = unpacked("mu_nu", 0, "The first moments.")
+    nu = unpacked("mu_nu", 1, "The second moments.")
 
 
 def scale_by_lazy_adam(
