@@ -83,7 +83,7 @@ class CollectionFace:
         """Pooled (or sequence) embeddings of every feature of the collection.
 
         A plan looks up as its collection does, on the plan's params (its
-        sharded buffers' gathers routed, :attr:`ShardingPlan.routing`).
+        sharded buffers' gathers routed, as ``plan.routing`` says).
 
         Args:
           params: ``{buffer name: buffer}``

@@ -20,9 +20,12 @@ devices, ``R = dim x itemsize + 4`` the bytes of a row and its int32 id,
 The bytes are what ``tools/hlo.py`` counts on the compiled step (each
 collective's larger side); ``benchmarks/plan_scale_bench.py`` checks the
 model against it. Routing is chosen per buffer by ``bytes + LATENCY_BYTES x
-collectives``: the all-to-all routing runs more collectives (two exchanges
-each way and its capacity checks), so where the batch is tiny or the devices
-few, masked wins.
+collectives`` (:func:`choose_routing`, which also says why): the all-to-all
+routing runs more collectives (two exchanges each way and its capacity
+checks), so where the batch is tiny or the devices few, masked wins. ``N``
+is what the plan is given (``ids_per_step``), else what it counts in its
+sample batches (:mod:`._replay`), else ``batch_size`` per feature: a plan
+built with samples sees the batch it will run.
 """
 
 from __future__ import annotations
