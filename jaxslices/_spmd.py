@@ -8,7 +8,8 @@ scatters without importing the modules built on top of it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -52,6 +53,7 @@ def replicate_rows(target: Any, tree: Any) -> Any:
         # axes are not supported by jaxslices' lookups yet (docs/scale_out.md);
         # unknown axis kinds: the layout is left to XLA (correct, slower).
         return tree
+    _warn_if_routed(target, mesh)
     replicated = NamedSharding(mesh, P())
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), tree)
 
@@ -113,3 +115,38 @@ def sum_over_shards(x: Any) -> Any:
     if axes is not None and axis not in axes:
         return x
     return jax.lax.psum(x, axis)
+
+
+# ------------------------------------ a routed lookup's gradient, unrouted
+
+_ROUTED = threading.local()
+
+
+def expect_routed_step(key: tuple, message: str) -> None:
+    """While tracing: a routed lookup of the table ``key`` was differentiated.
+
+    ``key``: ``(shape, dtype name, mesh shape items)``. Until a routed step
+    takes the table's gradient (:func:`routed_step_taken`), the first
+    scatter into such a table under the partitioner (:func:`replicate_rows`)
+    warns ``message``: the step was written as on one device.
+    """
+    _ROUTED.pending = {**getattr(_ROUTED, "pending", {}), key: message}
+
+
+def routed_step_taken(keys: Iterable[tuple]) -> None:
+    """A routed step takes these tables' gradients: nothing to warn about."""
+    pending = dict(getattr(_ROUTED, "pending", {}))
+    for key in keys:
+        pending.pop(key, None)
+    _ROUTED.pending = pending
+
+
+def _warn_if_routed(target: Any, mesh: Any) -> None:
+    pending = getattr(_ROUTED, "pending", None)
+    if not pending:
+        return
+    key = (tuple(target.shape), str(target.dtype), tuple(dict(mesh.shape).items()))
+    message = pending.get(key)
+    if message is not None:
+        routed_step_taken([key])  # once per traced step
+        warnings.warn(message, UserWarning, stacklevel=5)

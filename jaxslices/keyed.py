@@ -48,6 +48,60 @@ def _check_keys(keys: Any, where: str) -> tuple[str, ...]:
     return keys
 
 
+def padded_features(
+    ids: Mapping[str, Any], keys: Sequence[str], weights: Any, where: str
+) -> tuple[list[jax.Array], list[jax.Array] | None, int, Any]:
+    """Padded ids ``{feature: [B, L] ids}`` of ``keys``, checked, and their weights.
+
+    Every feature's ids an integer ``[B, L]`` array of one batch size ``B``
+    (``L`` may differ); ``weights``, if given, a dict with at least every
+    key, each of its ids' shape. Returns ``(ids, float32 weights or None,
+    the longest L, the ids' common dtype)``; :func:`pad_bags` pads a
+    feature to that ``L``. What :meth:`KeyedJaggedIds.from_padded` and a
+    collection's padded lookups read.
+
+    Example:
+      >>> import numpy as np
+      >>> arrs, ws, L, dtype = padded_features(
+      ...     {"a": np.zeros((2, 3), np.int32), "b": np.zeros((2, 1), np.int32)},
+      ...     ["a", "b"], None, "here")
+      >>> [a.shape for a in arrs], ws, L, dtype.name
+      ([(2, 3), (2, 1)], None, 3, 'int32')
+    """
+    arrs = [_ids.to_jax(ids[k], f"{where} (the ids of feature {k!r})") for k in keys]
+    for k, a in zip(keys, arrs, strict=True):
+        if a.ndim != 2 or not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(
+                f"{where}: padded ids must be [B, L] per feature, of an integer "
+                f"dtype; feature {k!r} has {a.dtype}{list(a.shape)}."
+            )
+    if len({a.shape[0] for a in arrs}) != 1:
+        raise ValueError(
+            f"{where}: every feature needs the same batch size, got "
+            f"{ {k: a.shape[0] for k, a in zip(keys, arrs, strict=True)} }."
+        )
+    ws = None
+    if weights is not None:
+        if not isinstance(weights, Mapping) or not set(keys) <= set(weights):
+            raise ValueError(
+                f"{where}: `weights` must be a dict with every feature "
+                f"{list(keys)}, like the ids."
+            )
+        ws = [jnp.asarray(weights[k], jnp.float32) for k in keys]
+        for k, a, w in zip(keys, arrs, ws, strict=True):
+            if w.shape != a.shape:
+                raise ValueError(
+                    f"{where}: the weights of {k!r} must have the shape of its ids "
+                    f"{tuple(a.shape)}, got {tuple(w.shape)}."
+                )
+    return arrs, ws, max(a.shape[1] for a in arrs), jnp.result_type(*arrs)
+
+
+def pad_bags(x: jax.Array, length: int, value: Any) -> jax.Array:
+    """``[B, L]`` to ``[B, length]``, the new slots ``value``."""
+    return jnp.pad(x, ((0, 0), (0, length - x.shape[1])), constant_values=value)
+
+
 @jax.tree_util.register_pytree_with_keys_class
 class KeyedJaggedIds:
     """Jagged ids of named features, feature-major (TorchRec's ``KeyedJaggedTensor``).
@@ -255,34 +309,11 @@ class KeyedJaggedIds:
         """
         where = "KeyedJaggedIds.from_padded"
         keys = _check_keys(list(ids), where)
-        arrs = [_ids.to_jax(ids[k], f"{where} (feature {k!r})") for k in keys]
-        for k, a in zip(keys, arrs, strict=True):
-            if a.ndim != 2 or not jnp.issubdtype(a.dtype, jnp.integer):
-                raise ValueError(
-                    f"{where}: feature {k!r} must be an integer [B, L] array, got "
-                    f"{a.dtype}{list(a.shape)}."
-                )
-        batch = {a.shape[0] for a in arrs}
-        if len(batch) != 1:
+        if weights is not None and set(weights) != set(keys):
             raise ValueError(
-                f"{where}: every feature needs the same batch size, got "
-                f"{ {k: a.shape[0] for k, a in zip(keys, arrs, strict=True)} }."
+                f"{where}: `weights` must have the keys of `ids` {list(keys)}."
             )
-        ws = None
-        if weights is not None:
-            if set(weights) != set(keys):
-                raise ValueError(
-                    f"{where}: `weights` must have the keys of `ids` {list(keys)}."
-                )
-            ws = [jnp.asarray(weights[k], jnp.float32) for k in keys]
-            for k, a, w in zip(keys, arrs, ws, strict=True):
-                if w.shape != a.shape:
-                    raise ValueError(
-                        f"{where}: weights of {k!r} must have shape {a.shape}, got "
-                        f"{w.shape}."
-                    )
-        L = max(a.shape[1] for a in arrs)
-        dtype = jnp.result_type(*arrs)
+        arrs, ws, L, dtype = padded_features(ids, keys, weights, where)
         info = np.iinfo(dtype)
         if any(a.shape[1] < L for a in arrs) and not (
             info.min <= padding_id <= info.max
@@ -294,14 +325,10 @@ class KeyedJaggedIds:
                 f"{padding_id}, which {jnp.dtype(dtype).name} ids cannot hold. Pass "
                 "a padding_id in the ids' range, or pad every feature to one length."
             )
-
-        def pad(a, v):
-            return jnp.pad(a, ((0, 0), (0, L - a.shape[1])), constant_values=v)
-
-        ids = jnp.concatenate([pad(a.astype(dtype), padding_id) for a in arrs])
+        ids = jnp.concatenate([pad_bags(a.astype(dtype), L, padding_id) for a in arrs])
         w = None
         if ws is not None:
-            w = jnp.concatenate([pad(x, 0) for x in ws])
+            w = jnp.concatenate([pad_bags(x, L, 0) for x in ws])
         jagged = _from_padded(
             ids, padding_id=padding_id, weights=w, where="KeyedJaggedIds.from_padded"
         )

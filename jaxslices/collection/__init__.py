@@ -1,9 +1,11 @@
 """Embedding collections: many named tables, stacked in buffers, one lookup each.
 
-One unit, three modules:
+One unit, four modules:
 
 * :mod:`._collection`: :class:`TableConfig` and :class:`EmbeddingCollection`
-  (the configs, the params, the calls);
+  (the configs, the params);
+* :mod:`._face`: what a collection and a sharding plan show alike (the
+  calls, ``concat``, the per-table transforms);
 * :mod:`._buffers`: where the tables live (:class:`Buffer`, a
   :class:`~jaxslices.collection._buffers.Placement` per table, the
   :class:`~jaxslices.collection._buffers.Layout` of them all), for the

@@ -59,10 +59,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..keyed import KeyedJaggedIds
-from ..transforms import _per_table
-from . import _buffers, _pooling
+from . import _buffers
 from ._buffers import Buffer
+from ._face import CollectionFace
 
 __all__ = ["TableConfig", "EmbeddingCollection", "Buffer"]
 
@@ -163,7 +162,7 @@ class TableConfig:
             )
 
 
-class EmbeddingCollection:
+class EmbeddingCollection(CollectionFace):
     """Named tables stacked by ``(dim, dtype)``; one lookup per buffer.
 
     See the module docstring. The collection is static (hashable, no arrays):
@@ -351,128 +350,9 @@ class EmbeddingCollection:
         self._check_params(params, "EmbeddingCollection.table")
         return params[buf][start : start + self._by_name[table].rows]
 
-    def _check_params(self, params: Any, where: str) -> None:
-        if not isinstance(params, Mapping):
-            raise TypeError(
-                f"{where}: `params` must be the dict of buffers that `init` returns "
-                f"({list(self.shapes)}), got {type(params).__name__}."
-            )
-        for b in self.buffers:
-            x = params.get(b.name)
-            shape = getattr(x, "shape", None)
-            if shape is None or tuple(shape) != b.shape:
-                got = "missing" if x is None else f"shape {shape}"
-                raise ValueError(
-                    f"{where}: buffer {b.name!r} must have shape {b.shape}, got "
-                    f"{got}. Pass the params `EmbeddingCollection.init` (or "
-                    "`stack`) made for this collection."
-                )
-
-    # -- lookup ---------------------------------------------------------------
-    def __call__(
-        self,
-        params: Mapping[str, Any],
-        features: KeyedJaggedIds | Mapping[str, Any],
-        *,
-        padding_id: int | None = None,
-        weights: Mapping[str, Any] | None = None,
-        check_ids: bool = False,
-    ) -> dict[str, jax.Array]:
-        """Pooled (or sequence) embeddings of every feature of the collection.
-
-        Args:
-          params: ``{buffer name: buffer}`` (:meth:`init`).
-          features: a :class:`~jaxslices.KeyedJaggedIds` holding at least every
-            feature of the collection (other keys are ignored), or padded ids
-            ``{feature: [B, L] ids}`` (the fast path for fixed-length
-            features: no scatter; ``L`` may differ between features).
-          padding_id: padded input only: the id of an empty slot (it counts
-            in no bag); ``None``: every slot is an id.
-          weights: padded input only: ``{feature: [B, L]}`` per-id weights
-            (a ``KeyedJaggedIds`` carries its own).
-          check_ids: raise an error (also under ``jit``) if an id is outside
-            ``[0, rows)`` of its feature's table.
-
-        Returns:
-          ``{feature: [B, dim]}`` for pooled tables, ``{feature: [B, L, dim]}``
-          for sequence tables, in the collection's feature order.
-        """
-        self._check_params(params, "EmbeddingCollection")
-        pooled, seqs = _pooling.lookup(
-            self,
-            self.layout,
-            params,
-            features,
-            padding_id=padding_id,
-            weights=weights,
-            check_ids=check_ids,
-            batch_major=False,
-        )
-        out = {**seqs, **_pooling.per_feature(pooled, batch_major=False)}
-        return {f: out[f] for f in self.features}
-
-    def concat(
-        self,
-        params: Mapping[str, Any],
-        features: KeyedJaggedIds | Mapping[str, Any],
-        *,
-        padding_id: int | None = None,
-        weights: Mapping[str, Any] | None = None,
-        check_ids: bool = False,
-    ) -> jax.Array:
-        """The pooled embeddings side by side: ``[B, sum of the features' dims]``.
-
-        TorchRec's ``KeyedTensor.values()``: feature ``i`` (in the
-        collection's order) in columns ``sum(dims[:i]) : sum(dims[:i + 1])``.
-        With one buffer it is the pooling's own result (batch-major), no copy:
-        ``concat(...).reshape(B, F, dim)`` is what a DLRM interacts. Arguments
-        as for :meth:`__call__`; every table must pool (no sequence tables).
-
-        Example:
-          >>> import jax, jax.numpy as jnp, jaxslices as js
-          >>> coll = js.EmbeddingCollection(
-          ...     [js.TableConfig("a", 4, 2), js.TableConfig("b", 3, 2)])
-          >>> params = {"dim2_float32": jnp.arange(14.0).reshape(7, 2)}
-          >>> coll.concat(params, {"a": jnp.array([[1]]), "b": jnp.array([[0]])})
-          Array([[2., 3., 8., 9.]], dtype=float32)
-        """
-        self._refuse_sequences("EmbeddingCollection.concat")
-        self._check_params(params, "EmbeddingCollection.concat")
-        pooled, _ = _pooling.lookup(
-            self,
-            self.layout,
-            params,
-            features,
-            padding_id=padding_id,
-            weights=weights,
-            check_ids=check_ids,
-            batch_major=True,
-        )
-        if len(pooled) == 1:
-            ((_, x),) = pooled.values()
-            return x.reshape(x.shape[0], math.prod(x.shape[1:]))  # a batch may be 0
-        cols = _pooling.per_feature(pooled, batch_major=True)
-        return jnp.concatenate([cols[f] for f in self.features], axis=1)
-
-    # -- per-table hyperparameters -------------------------------------------
-    def _refuse_sequences(self, where: str) -> None:
-        """``concat`` pools every table: sequence tables have no place in it."""
-        seq = [t.name for t in self.tables if t.combiner is None]
-        if seq:
-            raise ValueError(
-                f"{where}: sequence tables {seq} do not pool; use the "
-                "collection's call, which returns them as [B, L, dim]."
-            )
-
-    def scale_by_table(self, factors: Mapping[str, Any], *, default: Any = 1.0) -> Any:
-        """See :func:`jaxslices.transforms.scale_by_table`."""
-        return _per_table.scale_by_table(self, factors, default=default)
-
-    def add_decayed_weights_by_table(
-        self, rates: Mapping[str, Any], *, default: Any = 0.0
-    ) -> Any:
-        """See :func:`jaxslices.transforms.add_decayed_weights_by_table`."""
-        return _per_table.add_decayed_weights_by_table(self, rates, default=default)
+    # -- lookups and per-table transforms: CollectionFace ----------------------
+    def _lookup_source(self) -> tuple[Any, Any, Mapping[str, Any]]:
+        return self, self.layout, {}
 
 
 # ------------------------------------------------------------------ internals

@@ -43,7 +43,7 @@ from .. import _errors, _ids, _tape
 from ..embedding import embedding_lookup, pool
 from ..jagged import segment_ids
 from ..kernels import _ops as kernel_ops
-from ..keyed import KeyedJaggedIds
+from ..keyed import KeyedJaggedIds, pad_bags, padded_features
 
 WHERE = "EmbeddingCollection"
 
@@ -113,6 +113,14 @@ class Keys:
             )
             if b == buffer and c is None
         ]
+
+    def read_by(self, layout: Any):
+        """``(buffer, its pooled features, its sequence features)`` per buffer
+        that a key reads (positions among the keys)."""
+        for b in layout.buffers:
+            pos, seq = self.pooled_of(b.name), self.sequences_of(b.name)
+            if pos or seq:
+                yield b, pos, seq
 
 
 def lookup(
@@ -286,42 +294,9 @@ def _padded(
 ):
     _missing(coll, features)
     spec = Keys.of(coll, lay, tuple(coll.features))
-    arrs = []
-    for f in coll.features:
-        x = _as_ids(features[f], f"the ids of feature {f!r}")
-        if x.ndim != 2:
-            raise ValueError(
-                f"{WHERE}: padded ids must be [B, L] per feature; feature {f!r} has "
-                f"shape {tuple(x.shape)}."
-            )
-        arrs.append(x)
-    batch = {a.shape[0] for a in arrs}
-    if len(batch) != 1:
-        raise ValueError(
-            f"{WHERE}: every feature needs the same batch size, got "
-            f"{ {f: a.shape[0] for f, a in zip(coll.features, arrs, strict=True)} }."
-        )
-    if weights is not None:
-        if not isinstance(weights, Mapping) or not set(coll.features) <= set(weights):
-            raise ValueError(
-                f"{WHERE}: `weights` must be a dict with every feature "
-                f"{list(coll.features)}, like the ids."
-            )
-        ws = [jnp.asarray(weights[f]) for f in coll.features]
-        for f, a, w in zip(coll.features, arrs, ws, strict=True):
-            if w.shape != a.shape:
-                raise ValueError(
-                    f"{WHERE}: the weights of {f!r} must have the shape of its ids "
-                    f"{tuple(a.shape)}, got {tuple(w.shape)}."
-                )
-    L = max(a.shape[1] for a in arrs)
-    dtype = jnp.result_type(*arrs)
-
-    def pad(a, v):
-        return jnp.pad(a, ((0, 0), (0, L - a.shape[1])), constant_values=v)
-
-    ids = jnp.stack([pad(a.astype(dtype), 0) for a in arrs])  # [F, B, L]
-    real = jnp.stack([pad(jnp.ones(a.shape, bool), False) for a in arrs])
+    arrs, ws, L, dtype = padded_features(features, coll.features, weights, WHERE)
+    ids = jnp.stack([pad_bags(a.astype(dtype), L, 0) for a in arrs])  # [F, B, L]
+    real = jnp.stack([pad_bags(jnp.ones(a.shape, bool), L, False) for a in arrs])
     F = len(arrs)
     key = np.arange(F).reshape(F, 1, 1)
     if check_ids:  # the caller's non-padding ids
@@ -331,20 +306,14 @@ def _padded(
         ids = _check(ids, bad, jnp.broadcast_to(jnp.asarray(key), ids.shape), spec, ids)
     # the bags rule: valid non-padding ids count, not the slots added to reach L
     counted = _ids.in_bags(ids, spec.rows, padding_id, table=key) & real
-    w = None
-    if weights is not None:
-        w = jnp.stack([pad(x.astype(jnp.float32), 0) for x in ws])
+    w = None if ws is None else jnp.stack([pad_bags(x, L, 0) for x in ws])
     fa = 1 if batch_major else 0  # the feature axis of ids, rows and results
 
     def arrange(x):  # [F_b, B, ...] -> the result's layout
         return jnp.swapaxes(x, 0, 1) if batch_major else x
 
     pooled, seqs = {}, {}
-    for b in lay.buffers:
-        pos = spec.pooled_of(b.name)
-        seq = spec.sequences_of(b.name)
-        if not pos and not seq:
-            continue
+    for b, pos, seq in spec.read_by(lay):
         sel = np.array(pos + seq)
         key_b = arrange(np.broadcast_to(sel.reshape(-1, 1, 1), (len(sel), 1, 1)))
         gids = _row_ids(arrange(ids[sel]), arrange(counted[sel]), spec, key_b, b, sel)
@@ -423,11 +392,7 @@ def _jagged(coll, lay, params, features, check_ids, batch_major, gathers):
     if features.weights is not None:
         w = jnp.asarray(features.weights)
     pooled, seqs = {}, {}
-    for b in lay.buffers:
-        pos = spec.pooled_of(b.name)
-        seq = spec.sequences_of(b.name)
-        if not pos and not seq:
-            continue
+    for b, pos, seq in spec.read_by(lay):
         member = np.array([bn == b.name for bn in spec.buffer])
         ok = counted & jnp.asarray(member)[kid]
         gids = _row_ids(values, ok, spec, kid, b, np.array(pos + seq))

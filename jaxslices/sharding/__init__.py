@@ -14,8 +14,13 @@ One unit, TorchRec's ``torchrec/distributed`` split in modules:
   optimizer step; :func:`sharded_lookup` and :func:`sharded_update` for one
   table;
 * :mod:`._plan`: :class:`ShardingPlan` (a placement of every table of a
-  collection, as buffers over one mesh axis) and :class:`TablePlan`;
-* :mod:`._cost`: the cost model (memory and bytes per device);
+  collection, as buffers over one mesh axis: data and a thin step) and
+  :class:`TablePlan`;
+* :mod:`._layout`: the kinds and the buffers they make;
+* :mod:`._replay`: the host replay of a step on sample batches (capacities,
+  ids per step);
+* :mod:`._cost`: the cost model (memory and bytes per device) and the
+  choice of each buffer's routing;
 * :mod:`._planner`: :func:`plan_collection`, the planner.
 
 :func:`replicate_rows` (from :mod:`jaxslices._spmd`) is the hook every
@@ -24,9 +29,9 @@ table.
 """
 
 from .._spmd import replicate_rows as replicate_rows
+from ._layout import KINDS as KINDS
 from ._placement import shard_rows as shard_rows
 from ._placement import sharded_init as sharded_init
-from ._plan import KINDS as KINDS
 from ._plan import ShardingPlan as ShardingPlan
 from ._plan import TablePlan as TablePlan
 from ._planner import plan_collection as plan_collection

@@ -20,21 +20,29 @@ devices, ``R = dim x itemsize + 4`` the bytes of a row and its int32 id,
 The bytes are what ``tools/hlo.py`` counts on the compiled step (each
 collective's larger side); ``benchmarks/plan_scale_bench.py`` checks the
 model against it. Routing is chosen per buffer by ``bytes + LATENCY_BYTES x
-collectives``: the all-to-all routing runs more collectives (two exchanges
-each way and its capacity checks), so where the batch is tiny or the devices
-few, masked wins.
+collectives`` (:func:`choose_routing`, which also says why): the all-to-all
+routing runs more collectives (two exchanges each way and its capacity
+checks), so where the batch is tiny or the devices few, masked wins. ``N``
+is what the plan is given (``ids_per_step``), else what it counts in its
+sample batches (:mod:`._replay`), else ``batch_size`` per feature: a plan
+built with samples sees the batch it will run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import numpy as np
 
+from ._routing import ROUTINGS
+
 __all__ = [
     "COLLECTIVES",
     "LATENCY_BYTES",
+    "RoutingChoice",
+    "choose_routing",
     "comm_bytes",
     "gathered_rows",
     "itemsize",
@@ -68,29 +76,73 @@ def _slots(ids: float, n: int, capacity: int | None) -> float:
     return max(ids / max(n, 1), 1.0) if capacity is None else float(capacity)
 
 
+@dataclasses.dataclass(frozen=True)
+class RoutingChoice:
+    """A sharded buffer's routing, its capacity, and why the plan took it.
+
+    Attributes:
+      routing: ``"masked"`` or ``"all_to_all"``.
+      capacity: the all-to-all's slots per destination (``None``: the
+        device's whole part of the batch; never overflows).
+      reads: the rows the buffer reads per step (a column piece is a row).
+      why: one line: given, or the cost model's figures and where the ids
+        per step came from.
+      given: whether the routing was given (else the cost model chose it).
+    """
+
+    routing: str
+    capacity: int | None
+    reads: int
+    why: str
+    given: bool = False
+
+
+def choose_routing(
+    reads: int, n: int, row_bytes: int, capacity: int | None, given: str | None,
+    ids_from: str,
+) -> RoutingChoice:  # fmt: skip
+    """The routing of one sharded buffer: ``given``, else the cheaper by the model.
+
+    ``reads``: rows the buffer reads per step; ``row_bytes``: a stored row's
+    bytes; ``ids_from``: where the ids per step came from, for ``why``.
+    A tie goes to ``"masked"`` (fewer collectives, no capacity to outgrow).
+    """
+    if given is not None:
+        why = f"given (routing={given!r})"
+        return RoutingChoice(given, capacity, reads, why, given=True)
+    cost = {r: routing_cost(reads, n, row_bytes, r, capacity) for r in ROUTINGS}
+    routing = min(ROUTINGS, key=lambda r: (cost[r], r != "masked"))
+    other = next(r for r in ROUTINGS if r != routing)
+    why = (
+        f"cost model: {routing} {cost[routing]:,.0f} <= {other} {cost[other]:,.0f} "
+        f"bytes per device and step (latency included) for {reads:,} rows read "
+        f"per step ({ids_from})"
+    )
+    if capacity is None:
+        why += (
+            "; no all-to-all capacity (pass samples= or capacity=), so an "
+            "all-to-all would send a device's whole part of the batch to every owner"
+        )
+    return RoutingChoice(routing, capacity, reads, why)
+
+
 def comm_bytes(
-    t: Any,
-    kind: str,
-    ids: int,
-    n: int,
-    routing: str = "masked",
-    capacity: int | None = None,
-    buffer_ids: int | None = None,
+    t: Any, kind: str, ids: int, n: int, choice: RoutingChoice | None = None
 ) -> int:
     """Bytes per device per step for ``ids`` looked-up ids in the global batch.
 
-    ``routing``, ``capacity``: the table's buffer's (sharded kinds);
-    ``buffer_ids``: the rows the buffer reads per step, of which the table's
-    share is counted (an all-to-all's capacity is the buffer's).
+    ``choice``: the routing of the table's buffer (sharded kinds; ``None``:
+    masked); its ``reads`` are the buffer's rows per step, of which the
+    table's share is counted (an all-to-all's capacity is the buffer's).
     """
     pieces = n if kind == "column_wise" else 1
     row = (t.dim // pieces) * itemsize(t) + 4
     if kind == "data_parallel":
         return int(ids * row)
     rows = ids * pieces  # a column-wise id reads one piece on every device
-    if routing == "all_to_all":
-        total = max(buffer_ids or rows, 1)
-        return int(rows / total * 2 * n * _slots(total, n, capacity) * row)
+    if choice is not None and choice.routing == "all_to_all":
+        total = max(choice.reads or rows, 1)
+        return int(rows / total * 2 * n * _slots(total, n, choice.capacity) * row)
     return int(2 * rows * row + 4 * ids)
 
 

@@ -16,7 +16,8 @@ import numpy as np
 
 from ..collection import EmbeddingCollection
 from . import _cost
-from ._plan import ShardingPlan, kind_and_device
+from ._layout import kind_and_device
+from ._plan import ShardingPlan
 
 __all__ = ["plan_collection"]
 
@@ -26,7 +27,7 @@ def plan_collection(
     mesh: Any,
     axis: str,
     *,
-    batch_size: int,
+    batch_size: int | None = None,
     device_memory: int | None = None,
     overrides: Mapping[str, Any] | None = None,
     ids_per_step: Mapping[str, int] | None = None,
@@ -53,30 +54,34 @@ def plan_collection(
     ``overrides`` (``{table: kind}`` or ``{table: ("table_wise", device)}``)
     fixes those tables first; column-wise placement is chosen only there.
 
-    Then each sharded buffer gets the routing the cost model finds cheaper
+    Then each sharded buffer gets its routing as :class:`ShardingPlan`
+    gives it (the same rule): the one the cost model finds cheaper
     (:mod:`jaxslices.sharding._cost`: bytes per device and step, plus a
-    latency per collective), given its all-to-all capacity: estimated from
-    ``samples`` (:meth:`ShardingPlan.estimate_capacity`) or given. Without
-    either, the all-to-all would move as much as masked routing, so masked
-    is chosen; with a capacity sized from the data, all-to-all wins once
-    the batch is not tiny.
+    latency per collective) for the ids per step (``ids_per_step``, else
+    counted in ``samples``, else ``batch_size`` per feature) and the
+    all-to-all capacity (given, or estimated from ``samples``). Without a
+    capacity the all-to-all would move as much as masked routing, so masked
+    is chosen; with samples of a batch that is not tiny, all-to-all wins.
+    :meth:`ShardingPlan.explain` says what was chosen and why.
 
     Args:
       collection: the :class:`jaxslices.EmbeddingCollection`.
       mesh: a ``jax.sharding.Mesh``.
       axis: the mesh axis to place over.
-      batch_size: the global batch (examples per step), for the estimates.
+      batch_size: the global batch (examples per step), for the ids per
+        step without ``samples`` (``None``: 1).
       device_memory: bytes each device may hold for tables and their state
         (``None``: no limit).
       overrides: tables whose kind is given.
-      ids_per_step: ``{table: ids per step}`` (default: ``batch_size`` per
-        feature reading the table).
+      ids_per_step: ``{table: ids per step}`` (default: counted in
+        ``samples``, else ``batch_size`` per feature reading the table).
       replicate_below: the largest table (bytes) to replicate.
       state_bytes_per_row: optimizer state per row (row-wise Adagrad: 4;
         Adam: ``8 * dim``).
       routing: as :class:`ShardingPlan`'s (``None``: by the cost model).
       capacity: as :class:`ShardingPlan`'s.
-      samples: sample batches to estimate the capacities from.
+      samples: sample batches, as the step receives them: the capacities
+        are estimated and the ids per step counted from them.
       padding_id: the padded samples' padding id.
 
     Returns:
@@ -150,15 +155,7 @@ def plan_collection(
             "larger device_memory, or smaller tables."
         )
     return ShardingPlan(
-        collection,
-        mesh,
-        axis,
-        kinds,
-        routing=routing,
-        capacity=capacity,
-        samples=samples,
-        padding_id=padding_id,
-        ids_per_step=ids_per_step,
-        batch_size=batch_size,
-        state_bytes_per_row=state_bytes_per_row,
-    )
+        collection, mesh, axis, kinds, routing=routing, capacity=capacity,
+        samples=samples, padding_id=padding_id, ids_per_step=ids_per_step,
+        batch_size=batch_size, state_bytes_per_row=state_bytes_per_row,
+    )  # fmt: skip

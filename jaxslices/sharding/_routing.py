@@ -98,6 +98,8 @@ class Route:
       where: what the user called, for messages (``"sharded_lookup(routing=
         'all_to_all')"``).
       fix: how to raise the capacity, for the overflow message.
+      step: the routed step that takes the lookup's gradients back, for the
+        warning when a step without a route scatters them.
     """
 
     mesh: Any
@@ -106,6 +108,7 @@ class Route:
     capacity: int | None = None
     where: str = "sharded_lookup(routing='all_to_all')"
     fix: str = "Pass capacity >= {needed} (or capacity=None, which never overflows)"
+    step: str = "jaxslices.sharding.sharded_update(..., routing='all_to_all')"
 
     @property
     def shards(self) -> int:
@@ -197,7 +200,25 @@ def gather(
         return embedding_lookup(table, ids)
     fn = functools.partial(_routed, route=route, batch_dim=batch_dim)
     out = _tape.lookup(table, ids, fn)  # the batch's sparse gradient
-    return fn(table, ids) if out is None else out
+    if out is None:
+        return fn(table, ids)
+    _spmd.expect_routed_step(_table_key(table, route.mesh), _unrouted_message(route))
+    return out
+
+
+def _table_key(table: Any, mesh: Any) -> tuple:
+    """What a routed table is known by while a step is traced."""
+    return (tuple(table.shape), str(table.dtype), tuple(dict(mesh.shape).items()))
+
+
+def _unrouted_message(route: Route) -> str:
+    return (
+        f"{route.where.split(' (')[0]}: its gradient reached a scatter outside "
+        f"{route.step}, e.g. tx.update + jaxslices.apply_updates written as on "
+        "one device. The result is right, but the rows take the partitioner's "
+        "way (every device gets the global batch's gradient rows) instead of "
+        f"the lookup's all-to-all. Call {route.step} for the step to route them."
+    )
 
 
 def _routed(table, ids, *, route: Route, batch_dim: int):
@@ -309,6 +330,9 @@ def update(
     if len(routes) != len(leaves):
         raise ValueError(f"{where}: one route per parameter leaf.")
     routed = [r for r in routes if r is not None and r.routing == "all_to_all"]
+    _spmd.routed_step_taken(
+        _table_key(p, r.mesh) for p, r in zip(leaves, routes, strict=True) if r
+    )
     if not routed:
         upd, state = tx.update(grads, state, params)
         return updates_.apply_updates(params, upd), state

@@ -10,7 +10,8 @@ gradient rows (their bytes grow with the global batch whatever the
 routing), and a column-wise id reads a piece on every device (its rows
 grow with the devices). The full grid (every kind, every optimizer, bigger
 tables) is ``benchmarks/plan_scale_bench.py``; its table is in
-``docs/scale_out.md``.
+``docs/scale_out.md``. A plan built as ``docs/collections.md`` builds one
+(samples given, no routing) routes all-to-all by itself and scales the same.
 """
 
 from __future__ import annotations
@@ -134,3 +135,44 @@ def test_the_other_kinds_grow_as_their_kind_must(optimizer):
     rows_a, moved_a, _ = _growth("mixed", "all_to_all", optimizer)
     rows_m, moved_m, _ = _growth("mixed", "masked", optimizer)
     assert rows_a < rows_m and moved_a < moved_m, (rows_a, rows_m, moved_a, moved_m)
+
+
+@functools.cache
+def _default_figures(n):
+    """A plan built as docs/collections.md builds one: samples, no routing.
+
+    The issue's case: one 65,536 x 16 row-wise table, 256 bags of 8 ids per
+    device, ``plan.update``; the cost model counts the ids per step in the
+    samples (not ``batch_size``, 1 by default) and routes all-to-all.
+    """
+    coll = js.EmbeddingCollection([js.TableConfig("t", ROWS, 16)])
+    m = _mesh.mesh((n,), ("model",))
+    rng = np.random.default_rng(n)
+    samples = [{"t": rng.integers(0, ROWS, (PER_DEVICE * n, 8)).astype(np.int32)}]
+    plan = js.sharding.ShardingPlan(
+        coll, m, "model", {"t": "row_wise"}, samples=samples
+    )
+    params = plan.shard(coll.init(jax.random.key(0)))
+    tx = js.rowwise_adagrad(0.1)
+    state = js.sharding.sharded_init(tx, params)
+
+    def step(params, state, ids):
+        g = js.grad(functools.partial(_loss, plan))(params, ids)
+        return plan.update(tx, g, state, params)
+
+    ids = jax.device_put(samples[0], NamedSharding(m, P("model")))
+    with js.kernels.disabled():  # every read of a table an HLO gather
+        compiled = jax.jit(step).lower(params, state, ids).compile()
+    held = {b.rows // plan.devices for b in plan.buffers}
+    return hlo.gathered_rows(compiled, held), hlo.total_bytes(compiled), plan
+
+
+def test_a_plan_built_as_the_docs_build_it_routes_and_follows_the_local_batch():
+    figs = {n: _default_figures(n) for n in DEVICES}
+    for n in DEVICES:
+        plan = figs[n][2]
+        assert plan.routing == {"dim16_float32_sharded": "all_to_all"}, plan.explain()
+        assert "counted in the samples (1 batch)" in plan.explain()
+    rows = figs[8][0] / figs[2][0]
+    moved = figs[8][1] / figs[2][1]
+    assert rows <= GOAL and moved <= GOAL, (rows, moved, figs)

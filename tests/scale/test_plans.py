@@ -244,7 +244,9 @@ def test_masked_and_all_to_all_buffers_in_one_step():
 
 def test_the_step_written_as_on_one_device_is_right_on_a_routed_plan():
     """``tx.update`` + ``apply_updates`` under jit on a routed plan's gradient
-    (the batch's, laid out like it): right, if not routed (the partitioner)."""
+    (the batch's, laid out like it): right, if not routed (the partitioner),
+    and it says so once per routed buffer and traced step, naming
+    ``plan.update``."""
     m = _mesh.mesh((8,), ("model",))
     plan = js.sharding.ShardingPlan(
         COLL, m, "model", ROWS_ONLY, routing="all_to_all", samples=_samples(),
@@ -262,14 +264,73 @@ def test_the_step_written_as_on_one_device_is_right_on_a_routed_plan():
         return js.apply_updates(params, u), state, loss
 
     losses = []
-    for ids, y in [_batch(s) for s in range(2)]:
+    for i, (ids, y) in enumerate([_batch(s) for s in range(2)]):
         ids, y = jax.device_put((ids, y), NamedSharding(m, P("model")))
-        params, state, loss = step(params, state, ids, y)
+        if i == 0:  # traced here: the warning, once per routed buffer
+            with pytest.warns(UserWarning) as record:
+                params, state, loss = step(params, state, ids, y)
+            got = sorted(str(w.message).split(":")[0] for w in record)
+            assert got == [f"ShardingPlan buffer {b!r}" for b in sorted(plan.routing)]
+            for w in record:
+                message = str(w.message)
+                assert "outside ShardingPlan.update" in message, message
+                assert "Call ShardingPlan.update for the step" in message, message
+        else:  # compiled: nothing to say
+            params, state, loss = step(params, state, ids, y)
         losses.append(float(loss))
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     emb = plan.unshard(params["emb"])
     for k in emb:
         np.testing.assert_allclose(emb[k], want["emb"][k], rtol=1e-5, atol=1e-6)
+
+
+def test_the_default_routing_counts_the_ids_of_the_samples_and_says_why():
+    """Built as docs/collections.md builds a plan (samples, no routing, no
+    batch_size): the cost model counts the ids per step in the samples (not
+    batch_size's default, 1), so the plan routes; without samples or a
+    capacity it stays masked and its repr and explain() say why.
+    plan_collection follows the same rule; ids_per_step, given, wins."""
+    m = _mesh.mesh((8,), ("model",))
+    coll = js.EmbeddingCollection([js.TableConfig("t", rows=65536, dim=16)])
+    kinds, name = {"t": "row_wise"}, "dim16_float32_sharded"
+    rng = np.random.default_rng(0)
+    samples = [{"t": rng.integers(0, 65536, (256 * 8, 8)).astype(np.int32)}]
+    plan = js.sharding.ShardingPlan(coll, m, "model", kinds, samples=samples)
+    assert plan.routing == {name: "all_to_all"}, plan.explain()
+    assert plan.choices[name].reads == 256 * 8 * 8
+    assert "counted in the samples (1 batch)" in plan.choices[name].why
+    assert "no samples" not in repr(plan)
+    assert f"buffer {name!r}: all_to_all, capacity {plan.capacity[name]}: cost" in (
+        plan.explain()
+    )
+    bare = js.sharding.ShardingPlan(coll, m, "model", kinds)
+    assert bare.routing == {name: "masked"}
+    assert repr(bare).endswith(
+        "routed masked (no samples or capacity to size an all-to-all: see explain()))"
+    )
+    why = bare.choices[name].why
+    assert "no samples, ids_per_step or batch_size: 1 id per feature" in why, why
+    assert "no all-to-all capacity (pass samples= or capacity=)" in why, why
+    chosen = js.sharding.plan_collection(
+        coll, m, "model", samples=samples, overrides=kinds
+    )
+    assert chosen.routing == plan.routing and chosen.capacity == plan.capacity
+    few = js.sharding.ShardingPlan(
+        coll, m, "model", kinds, samples=samples, ids_per_step={"t": 8}
+    )
+    assert few.routing == {name: "masked"}, few.explain()
+    assert "ids_per_step given" in few.choices[name].why
+    given = js.sharding.ShardingPlan(coll, m, "model", kinds, routing="masked")
+    assert given.choices[name].why == "given (routing='masked')"
+    assert "no samples" not in repr(given)
+    # a KeyedJaggedIds sample: the slots of the table's features
+    kjt = js.KeyedJaggedIds.from_lengths(
+        ["t", "u"], np.arange(20, dtype=np.int32), np.array([3, 4, 5, 8]),
+        max_total=24,
+    )  # fmt: skip
+    two = js.EmbeddingCollection([js.TableConfig("t", rows=64, dim=16)])
+    jagged = js.sharding.ShardingPlan(two, m, "model", kinds, samples=[kjt])
+    assert jagged.choices[name].reads == 7
 
 
 def test_a_capacity_overflow_raises_on_every_device_and_names_the_buffer():
