@@ -42,7 +42,7 @@ import numpy as np
 from .. import _errors, _ids, _tape
 from ..embedding import embedding_lookup, pool
 from ..jagged import segment_ids
-from ..kernels import _ops as kernel_ops
+from ..kernels import _path as kernel_path
 from ..keyed import KeyedJaggedIds
 
 WHERE = "EmbeddingCollection"
@@ -473,9 +473,9 @@ def _jagged(coll, lay, params, features, check_ids, batch_major, gathers):
 def _native(table, gids, b) -> bool:
     """Whether a buffer pools on the native path (one piece per row)."""
     if b.pieces > 1:
-        kernel_ops.note(f"{WHERE} buffer {b.name!r}", "column-wise pieces")
+        kernel_path.note(f"{WHERE} buffer {b.name!r}", "column-wise pieces")
         return False
-    return kernel_ops.route(f"{WHERE} buffer {b.name!r}", table, gids)
+    return kernel_path.route(f"{WHERE} buffer {b.name!r}", table, gids)
 
 
 def _pool(table, gids, w, scale, n_bags, length, bag=None):
