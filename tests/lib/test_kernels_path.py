@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import bag_problem
 
 import jaxslices as js
 
@@ -36,14 +37,7 @@ needs_kernels = [
 
 
 def _problem(seed=0):
-    rng = np.random.default_rng(seed)
-    params = {
-        "emb": jnp.asarray(rng.normal(size=(50, 4)), jnp.float32),
-        "w": jnp.asarray(rng.normal(size=4), jnp.float32),
-    }
-    ids = jnp.asarray((rng.zipf(1.3, size=(6, 5)) - 1) % 50, jnp.int32)
-    y = jnp.asarray(rng.normal(size=6), jnp.float32)
-    return params, ids, y
+    return bag_problem(seed, rows=50, dim=4, bags=6, length=5)
 
 
 TX = js.rowwise_adagrad(0.1)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import bag_problem
 
 import jaxslices as js
 from jaxslices import slices
@@ -252,14 +253,8 @@ def _rowwise_sources(jaxpr) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("name", list(BETWEEN))
 def test_what_the_kernel_reads_after_a_tree_operation(name):
     between, factor, culprit, read = BETWEEN[name]
-    rng = np.random.default_rng(0)
     bags, length = BAGS, LENGTH
-    params = {
-        "emb": jnp.asarray(rng.normal(size=(50, D)), jnp.float32),
-        "w": jnp.asarray(rng.normal(size=D), jnp.float32),
-    }
-    ids = jnp.asarray((rng.zipf(1.3, size=(bags, length)) - 1) % 50, jnp.int32)
-    y = jnp.asarray(rng.normal(size=bags), jnp.float32)
+    params, ids, y = bag_problem(0, rows=50, dim=D, bags=bags, length=length)
 
     def step(p, s, ids, y):
         g = between(js.grad(_loss)(p, ids, y))
