@@ -36,7 +36,8 @@ backend). Raising :data:`NEWEST_TESTED` moves all three.
 Public JAX names the package uses directly, because they are stable over the
 supported range, are not entries: ``jax.typeof`` (JAX >= 0.6),
 ``jax.extend.random.define_prng_impl``, ``jax.random.wrap_key_data``,
-``jax.custom_batching.custom_vmap``, ``jax.core.Tracer``.
+``jax.custom_batching.custom_vmap``, ``jax.core.Tracer``,
+``jax.make_user_context`` (the native kernels' switch, ``kernels/_path.py``).
 
 The inventory below (:data:`ENTRIES`, rendered by :func:`inventory_table`) is
 copied into docs/design.md ("JAX compatibility"); a test checks they agree.

@@ -35,8 +35,9 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 from . import _jax_compat, _strict
+from . import _recipe as recipes
 from . import slices as slices_mod
-from .kernels import _ops as kernel_ops
+from ._recipe import Recipe, flat_rows
 from .slices import IndexedSlices
 
 trace_state = _jax_compat.trace_state
@@ -617,28 +618,17 @@ def _unpool(ct, pooled, bag, rec, num_slots):
     return values, jnp.zeros((), read.dtype) * read, piece
 
 
-def _recipe(pieces, dtype) -> Any:
+def _recipe(pieces, dtype) -> Recipe | None:
     """The recipe of concatenated lookups, if every one is a float32 bag."""
     if any(p is None for p in pieces) or jnp.dtype(dtype) != jnp.float32:
         return None
     if any(jnp.dtype(p[0].dtype) != jnp.float32 for p in pieces):
         return None
-    if len(pieces) == 1:
-        g, bag_ids, length, weight = pieces[0]
-        return kernel_ops.Recipe(
-            kernel_ops.flat_rows(g), bag=bag_ids, length=length, weight=weight
+    parts = [
+        (
+            Recipe(flat_rows(g), bag=bag_ids, length=length, weight=weight),
+            weight.shape[0],
         )
-    srcs, bag_arrays, offset = [], [], 0
-    for g, bag_ids, length, weight in pieces:
-        n = weight.shape[0]
-        if bag_ids is None:
-            bag_ids = jnp.arange(n, dtype=jnp.int32) // max(length, 1)
-        valid = (bag_ids >= 0) & (bag_ids < g.shape[0])
-        bag_arrays.append(jnp.where(valid, bag_ids + offset, -1).astype(jnp.int32))
-        srcs.append(kernel_ops.flat_rows(g))
-        offset += g.shape[0]
-    return kernel_ops.Recipe(
-        jnp.concatenate(srcs),
-        bag=jnp.concatenate(bag_arrays),
-        weight=jnp.concatenate([p[3] for p in pieces]),
-    )
+        for g, bag_ids, length, weight in pieces
+    ]
+    return recipes.concatenate(parts)

@@ -48,6 +48,7 @@ from . import _ids, _lookup_handlers, _strict, _tape
 from ._ids import check_ids
 from .jagged import JaggedIds, check_jagged, segment_ids, weights_like
 from .kernels import _ops as kernel_ops
+from .kernels import _path as kernel_path
 from .max_norm import check_max_norm, renorm_rows
 
 __all__ = ["embedding_lookup", "embedding_bag", "check_ids"]
@@ -359,7 +360,7 @@ def embedding_bag(
     safe = jnp.where(counted, _ids.safe_ids(ids, num_rows), num_rows)
     if combiner == "max":
         if handler is None:
-            kernel_ops.note(where, "combiner max (the bag kernel sums)")
+            kernel_path.note(where, "combiner max (the bag kernel sums)")
         rows = _finish(
             _lookup_rows(table, safe, handler, strict),
             table,
@@ -369,12 +370,12 @@ def embedding_bag(
         )
         return _max_pool(rows, counted, segments)
     if max_norm is not None and handler is None:
-        kernel_ops.note(where, "max_norm (the bag kernel does not renormalise rows)")
+        kernel_path.note(where, "max_norm (the bag kernel does not renormalise rows)")
     native = (
         handler is None
         and max_norm is None
         and (dtype is None or jnp.dtype(dtype) == table.dtype)
-        and kernel_ops.route(where, table, weights, safe)
+        and kernel_path.route(where, table, weights, safe)
     )
     expected = _tape.expects_pooled(table) if handler is None else None
     if expected is not None:  # the path this value_and_grad's discovery took
@@ -460,7 +461,7 @@ def pool(
     ``out[b] = scale[b] * sum_{s in bag b} weight[s] * table[ids[s]]``, with
     ``ids`` ``[N]`` safe ids (padding ``V``), bags padded (``length`` slots
     each) or given per slot (``bag``, ``num_bags`` for an unused slot). The
-    caller has routed it (``kernels._ops.route``). Under
+    caller has routed it (``kernels._path.route``). Under
     :func:`jaxslices.value_and_grad` the tap is the pooled output, so the
     table's gradient is the pooled gradient with the bags' ids and weights
     (a recipe), never the ``[N, D]`` rows. Returns :data:`_tape.ROWS` below

@@ -46,6 +46,7 @@ from jax.typing import ArrayLike
 from . import _coalesce, _ids
 from .jagged import JaggedIds, check_jagged, segment_ids
 from .kernels import _ops as kernel_ops
+from .kernels import _path as kernel_path
 
 __all__ = ["apply_max_norm", "check_max_norm", "renorm_rows"]
 
@@ -183,7 +184,7 @@ def apply_max_norm(
         flat = jnp.where(used, flat, num_rows)
     else:
         flat = _ids.safe_ids(_ids.as_ids(ids, where), num_rows).reshape(-1)
-    if table.ndim >= 1 and kernel_ops.route(where, table, flat):
+    if table.ndim >= 1 and kernel_path.route(where, table, flat):
         # One kernel: each distinct row read, renormalised in place if needed.
         hp = (max_norm, norm_type, EPS)
         spec = kernel_ops.RuleSpec(

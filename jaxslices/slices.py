@@ -29,12 +29,24 @@ Conventions (see ``docs/design.md``):
   the constructor goes through ``_build``.
 * **Static shapes.** ``dense_shape`` is a tuple of Python ints, part of the
   pytree's static aux data; ``values`` and ``indices`` are the children.
+* **The pooled form.** A gradient of ``embedding_bag`` also carries its
+  pooled gradient (:attr:`IndexedSlices.recipe`, a
+  :class:`~jaxslices._recipe.Recipe`), which the native kernels read instead
+  of the ``[N, D]`` values. It is static, not a pytree child. jaxslices'
+  scaling, negation, ``astype`` to the same dtype, concatenation
+  (``tree_add``, ``+``) and index flags keep it; a tree operation outside
+  jaxslices that passes the leaves through unchanged
+  (``jax.tree.map(lambda x: x, g)``, ``eqx.combine``) gets it back at
+  unflattening; any other rebuild loses it and says so
+  (:func:`kernel_input`, :func:`jaxslices.kernels.explain`).
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,8 +54,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _coalesce, _errors, _ids, _spmd, _typed_indices
+from . import _coalesce, _errors, _ids, _recipe, _spmd, _typed_indices
+from ._recipe import Recipe
 from .kernels import _ops as kernel_ops
+from .kernels import _path as kernel_path
 
 __all__ = [
     "IndexedSlices",
@@ -168,7 +182,16 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
              [0., 0.]], dtype=float32)
     """
 
-    __slots__ = ("values", "_indices", "dense_shape", "_unique", "_sorted", "_recipe")
+    __slots__ = (
+        "values",
+        "_indices",
+        "dense_shape",
+        "_unique",
+        "_sorted",
+        "_recipe",
+        "_lost_by",
+        "__weakref__",
+    )
     __hash__ = None  # type: ignore[assignment]
     # Make NumPy defer to our reflected operators (np.ndarray + IndexedSlices).
     __array_ufunc__ = None
@@ -211,7 +234,7 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
         self._indices = indices
         self.dense_shape = dense_shape
         self._unique = self._sorted = False
-        self._recipe = None
+        self._recipe = self._lost_by = None
 
     # -- pytree ---------------------------------------------------------------
     def tree_flatten_with_keys(self):
@@ -219,9 +242,11 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
             (jax.tree_util.GetAttrKey("values"), self.values),
             (jax.tree_util.GetAttrKey("indices"), self._indices),
         )
+        _remember_flattened(self)
         return children, self.dense_shape
 
     def tree_flatten(self):
+        _remember_flattened(self)
         return (self.values, self._indices), self.dense_shape
 
     @classmethod
@@ -229,7 +254,7 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
         # No validation: JAX unflattens with placeholder leaves (object(), None,
         # batching sentinels), see the JAX docs on custom pytrees.
         values, indices = children
-        return _build(values, indices, dense_shape)
+        return _unflattened(_build(values, indices, dense_shape))
 
     # -- properties -----------------------------------------------------------
     @property
@@ -257,6 +282,24 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
     def indices_sorted(self) -> bool:
         """``True`` when the indices are known to be sorted (static; see above)."""
         return self._sorted
+
+    @property
+    def recipe(self) -> Recipe | None:
+        """The pooled form of the values, or ``None`` (the values are the rows).
+
+        The gradient of an ``embedding_bag`` (float32) carries the bags'
+        pooled gradient ``G`` ``[B, D]`` with each slot's bag and weight
+        (:class:`~jaxslices._recipe.Recipe`): ``values[s] = scale *
+        weight[s] * G[bag[s]]``. The native kernels read it instead of the
+        ``[N, D]`` values, which XLA then never computes. Static, like the
+        index flags, and not a pytree child: jaxslices' own operations keep
+        it where they can (scaling, negation, concatenation, ``tree_scale``,
+        ``tree_add``, the transforms' scalings), generic tree code that
+        passes the leaves through unchanged gets it back, and anything else
+        that rebuilds the slices loses it (the values are then the rows; see
+        ``docs/sparse_gradients.md``, "The pooled gradient").
+        """
+        return self._recipe
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -327,7 +370,9 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
 
     def astype(self, dtype: Any) -> IndexedSlices:
         """Cast ``values`` to ``dtype`` (indices unchanged)."""
-        return _replace_values(self, self.values.astype(dtype))
+        if jnp.dtype(dtype) == jnp.dtype(self.values.dtype):
+            return self  # the same values (and recipe)
+        return _replace_values(self, self.values.astype(dtype), "astype")
 
     def coalesce(
         self, *, method: str = "sort", max_distinct: int | None = None
@@ -352,7 +397,11 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
                 f"one row of shape {self.row_shape}, got shape {tuple(c.shape)}. "
                 "To scale by a dense array of the full shape, densify first."
             )
-        return _replace_values(self, op(self.values, c))
+        values = op(self.values, c)
+        if self._recipe is None or jnp.ndim(c) != 0:
+            return _replace_values(self, values, f"IndexedSlices {opname} an array")
+        factor = 1 / c if op is operator.truediv else c
+        return scale_values(self, values, factor)
 
     def __mul__(self, c: Any) -> IndexedSlices:
         return self._scale(c, operator.mul, "*")
@@ -364,7 +413,7 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
         return self._scale(c, operator.truediv, "/")
 
     def __neg__(self) -> IndexedSlices:
-        return _replace_values(self, -self.values)
+        return scale_values(self, -self.values, -1.0)
 
     def __pos__(self) -> IndexedSlices:
         return self
@@ -430,17 +479,40 @@ def _build(values: Any, typed_indices: Any, dense_shape: tuple[int, ...]):
     out = object.__new__(IndexedSlices)
     out.values, out._indices, out.dense_shape = values, typed_indices, dense_shape
     out._unique = out._sorted = False
-    out._recipe = None
+    out._recipe = out._lost_by = None
     return out
 
 
-def _replace_values(s: IndexedSlices, values: jax.Array) -> IndexedSlices:
-    """``s`` with new ``values`` (same indices, dense shape and index flags)."""
-    return _with_flags(
+def _replace_values(
+    s: IndexedSlices,
+    values: jax.Array,
+    lost_by: str = "a jaxslices operation that computes new values",
+) -> IndexedSlices:
+    """``s`` with new ``values`` (same indices, dense shape and index flags).
+
+    The new values have no recipe; if ``s`` had one, the result records that
+    ``lost_by`` lost it (reported where a native kernel reads the values).
+    """
+    out = _with_flags(
         _build(values, s._indices, s.dense_shape),
         unique_indices=s._unique,
         indices_sorted=s._sorted,
     )
+    out._recipe, out._lost_by = None, _lost(s, lost_by)
+    return out
+
+
+def lost_from(out: IndexedSlices, s: IndexedSlices, by: str) -> IndexedSlices:
+    """``out``, made from ``s`` without its recipe, noting that ``by`` lost it."""
+    out._lost_by = _lost(s, by)
+    return out
+
+
+def _lost(s: IndexedSlices, by: str) -> str | None:
+    """Why slices made from ``s`` have no recipe, if ``s`` had (or lost) one."""
+    if s._lost_by is not None:
+        return s._lost_by
+    return by if s._recipe is not None else None
 
 
 def _with_flags(
@@ -449,36 +521,113 @@ def _with_flags(
     """``s`` recorded as coalesced (see ``IndexedSlices.unique_indices``)."""
     out = _build(s.values, s._indices, s.dense_shape)
     out._unique, out._sorted = bool(unique_indices), bool(indices_sorted)
-    out._recipe = s._recipe  # the same values
+    out._recipe, out._lost_by = s._recipe, s._lost_by  # the same values
     return out
 
 
-def with_recipe(s: IndexedSlices, recipe: Any) -> IndexedSlices:
-    """``s`` holding ``recipe``: its values, not materialised (native kernels).
+def with_recipe(s: IndexedSlices, recipe: Recipe) -> IndexedSlices:
+    """``s`` holding ``recipe``: how its values are made (:attr:`IndexedSlices.recipe`).
 
-    A :class:`jaxslices.kernels._ops.Recipe` says how ``s.values`` are made
-    (for a bag: its pooled gradient, per-id weights and the bag of each id),
-    so that a native kernel reads ``[B, D]`` rows instead of the ``[N, D]``
-    values; under ``jit`` the values XLA would compute for nobody are then
-    dropped. Like the index flags it is not part of the pytree: flattening
-    drops it, which only costs materialising the values. Every operation that
-    makes new values drops it, except a scaling (:func:`scale_values`).
+    The recipe must describe ``s.values`` (float32) slot by slot, padding
+    slots excepted: a native kernel then reads it instead of the values, and
+    under ``jit`` the values XLA would compute for nobody are dropped.
     """
+    if not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"with_recipe: expected a jaxslices._recipe.Recipe, got "
+            f"{type(recipe).__name__}."
+        )
     out = _with_flags(s, unique_indices=s._unique, indices_sorted=s._sorted)
-    out._recipe = recipe
+    out._recipe, out._lost_by = recipe, None
     return out
 
 
-def recipe_of(s: IndexedSlices) -> Any:
-    """``s``'s recipe, or ``None`` (then its values are the rows)."""
-    return s._recipe
+def scale_values(
+    s: IndexedSlices, values: jax.Array, factor: Any, by: str = "a scaling"
+) -> IndexedSlices:
+    """``s`` with ``values`` (which are ``factor * s.values``), recipe scaled too.
 
-
-def scale_values(s: IndexedSlices, values: jax.Array, factor: Any) -> IndexedSlices:
-    """``s`` with ``values`` (which are ``factor * s.values``), recipe scaled too."""
-    out = _replace_values(s, values)
+    A ``factor`` that is not a scalar (one per row element) cannot scale the
+    recipe: the result has none, and records that ``by`` lost it.
+    """
+    out = _replace_values(s, values, lost_by=f"{by} by a non-scalar factor")
     if s._recipe is not None and jnp.ndim(factor) == 0:
-        out._recipe = s._recipe.scaled(factor)
+        out._recipe, out._lost_by = s._recipe.scaled(factor), None
+    return out
+
+
+def kernel_input(s: IndexedSlices, where: str) -> Recipe:
+    """What a native kernel reads for ``s``: its recipe, else its values.
+
+    A kernel that reads the materialised ``[N, D]`` values records it for
+    :func:`jaxslices.kernels.explain`, with why (the operation that lost the
+    pooled gradient, when the slices had one).
+    """
+    if s._recipe is not None:
+        return s._recipe
+    rows = f"[{s.num_slices}, {max(1, int(np.prod(s.row_shape)))}]"
+    if s._lost_by is not None:
+        why = (
+            f"reading materialised {rows} rows: the pooled gradient was lost by "
+            f"{s._lost_by}; jaxslices.tree_scale, tree_add and the jaxslices "
+            "transforms keep it"
+        )
+    else:
+        why = (
+            f"reading the {rows} values: the slices carry no pooled gradient (a "
+            "per-id lookup's gradient, slices built by hand, or a gradient "
+            "rebuilt from its leaves, e.g. passed through a jit boundary)"
+        )
+    kernel_path.note_materialised(where, why)
+    return Recipe.of_rows(s.values)
+
+
+# Slices flattened while they carry a recipe (or the note that they lost
+# one), by the id of their indices child: a rebuild from the very same
+# leaves gets the recipe back (jax.tree.map(lambda x: x, g), eqx.combine).
+# Weak: an entry lives as long as its slices (whose leaves it checks by
+# identity, so a reused id never matches).
+_FLATTENED: dict[int, weakref.ref] = {}
+_FLATTENED_LOCK = threading.Lock()
+
+
+def _remember_flattened(s: IndexedSlices) -> None:
+    if s._recipe is None and s._lost_by is None:
+        return
+    key = id(s._indices)
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        with _FLATTENED_LOCK:
+            if _FLATTENED.get(key) is ref:
+                del _FLATTENED[key]
+
+    with _FLATTENED_LOCK:
+        _FLATTENED[key] = weakref.ref(s, forget)
+
+
+def _unflattened(out: IndexedSlices) -> IndexedSlices:
+    """``out`` (just rebuilt from leaves) with what its origin knew.
+
+    The same values and indices as slices flattened before: their recipe
+    and index flags. The same indices with other values (generic tree code
+    computed them): no recipe, and the note that such code lost it.
+    """
+    with _FLATTENED_LOCK:
+        ref = _FLATTENED.get(id(out._indices))
+    origin = None if ref is None else ref()
+    if (
+        origin is None
+        or origin._indices is not out._indices
+        or origin.dense_shape != out.dense_shape
+    ):
+        return out
+    if origin.values is out.values:
+        out._unique, out._sorted = origin._unique, origin._sorted
+        out._recipe, out._lost_by = origin._recipe, origin._lost_by
+    else:
+        out._lost_by = _lost(
+            origin, "a tree operation outside jaxslices (jax.tree.map or alike)"
+        )
     return out
 
 
@@ -597,11 +746,22 @@ def concatenate(slices: Sequence[IndexedSlices]) -> IndexedSlices:
         return first
     dtype = jnp.result_type(*[s.values.dtype for s in slices])
     itype = jnp.result_type(*[s.indices.dtype for s in slices])
-    return IndexedSlices(
+    out = IndexedSlices(
         jnp.concatenate([s.values.astype(dtype) for s in slices]),
         jnp.concatenate([s.indices.astype(itype) for s in slices]),
         first.dense_shape,
     )
+    # The parts' pooled gradients side by side (a part without one: its rows).
+    if any(s._recipe is not None for s in slices) and dtype == jnp.float32:
+        parts = [
+            (Recipe.of_rows(s.values) if s._recipe is None else s._recipe, s.num_slices)
+            for s in slices
+        ]
+        out._recipe = _recipe.concatenate(parts)
+    else:
+        lost = [s._lost_by for s in slices if s._lost_by is not None]
+        out._lost_by = lost[0] if lost else None
+    return out
 
 
 def coalesce(
@@ -804,7 +964,7 @@ def _squared_norm(x: Any) -> jax.Array:
     """:func:`sum_of_squares`, summed over row shards (see :func:`global_norm`)."""
     if not isinstance(x, IndexedSlices):
         return sum_of_squares(x)
-    recipe = x._recipe
+    recipe = x.recipe
     if recipe is not None and recipe.sumsq is not None:
         sq = recipe.sumsq  # measured by the native kernel that coalesced them
     elif x.unique_indices:  # coalesced (sorted or not): no duplicate to sum
@@ -860,20 +1020,16 @@ def _scatter_add(x: Any, s: IndexedSlices, where: str) -> jax.Array:
     # Coalesced slices (distinct valid ids; padding is out of bounds, so
     # dropped) promise XLA unique (and maybe sorted) indices: a cheaper scatter.
     flags = {"unique_indices": s.unique_indices, "indices_are_sorted": s.indices_sorted}
-    recipe = _recipe_of(s)
+    given = s
     x, s = _check_target(x, s, where)
-    if x.ndim >= 1 and kernel_ops.route(where, x, s.values):
-        recipe = recipe or kernel_ops.recipe_of_values(s.values)
+    if x.ndim >= 1 and kernel_path.route(where, x, s.values):
+        recipe = kernel_input(given, where)
         # The table whole (a reshape in between would make XLA copy it).
         return kernel_ops.apply(
             x, recipe, s.indices, coalesced=flags["unique_indices"], label=where
         )
     values = s.values.astype(x.dtype)
     return x.at[safe_indices(s)].add(values, mode="drop", **flags)
-
-
-def _recipe_of(s: Any) -> Any:
-    return s._recipe if isinstance(s, IndexedSlices) else None
 
 
 def scatter_sub(x: jax.Array, s: IndexedSlices) -> jax.Array:

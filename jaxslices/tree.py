@@ -20,6 +20,15 @@ generic code (raises on slices)        jaxslices
 
 Every function treats ``None`` and ``IndexedSlices`` as leaves; dense leaves
 get exactly the dense operation.
+
+**The pooled form.** The gradient of an ``embedding_bag`` carries its pooled
+gradient (:attr:`jaxslices.IndexedSlices.recipe`), which the native kernels
+read instead of the ``[N, D]`` values. :func:`tree_scale` keeps it (scaled),
+:func:`tree_add` keeps it (the parts' pooled gradients side by side; a part
+without one contributes its rows); :func:`tree_map_values` cannot (``fn`` is
+any row-wise map: it makes new values, and a kernel after it reads them), nor
+can :func:`tree_psum` / :func:`tree_pmean` (the slices are all-gathered as
+rows). :func:`jaxslices.kernels.explain` names the operation that lost it.
 """
 
 from __future__ import annotations
@@ -56,12 +65,14 @@ def tree_add(*trees: Any) -> Any:
 
     Two :class:`~jaxslices.IndexedSlices` of one dense shape concatenate (TF's
     gradient aggregation: the result has the slots of both, so the sizes add
-    up; duplicates mean "sum"); arrays add; an array plus slices is the dense
-    array with the rows added (``x + s``). ``None`` plus ``None`` is ``None``.
-    The sum of the dense equivalents is exact: ``to_dense(tree_add(a, b)) ==
-    to_dense(a) + to_dense(b)``. Use it for manual gradient accumulation
-    (``jax.tree.map(jnp.add, g1, g2)`` raises on slices); for accumulation in a
-    fixed-size buffer see :class:`jaxslices.MultiSteps`.
+    up; duplicates mean "sum"; pooled gradients stay pooled,
+    :attr:`jaxslices.IndexedSlices.recipe`); arrays add; an array plus
+    slices is the dense array with the rows added (``x + s``). ``None`` plus
+    ``None`` is ``None``. The sum of the dense equivalents is exact:
+    ``to_dense(tree_add(a, b)) == to_dense(a) + to_dense(b)``. Use it for
+    manual gradient accumulation (``jax.tree.map(jnp.add, g1, g2)`` raises
+    on slices); for accumulation in a fixed-size buffer see
+    :class:`jaxslices.MultiSteps`.
 
     Args:
       *trees: one or more trees of the same structure (``None`` and
@@ -122,7 +133,10 @@ def tree_map_values(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
 
     The indices of slices leaves are kept. Only correct for functions that act
     row by row with ``fn(0) == 0`` on the dense equivalent (scaling, casting,
-    clipping values): ``fn`` sees the slots, not the summed rows.
+    clipping values): ``fn`` sees the slots, not the summed rows. The result
+    has no pooled form (:attr:`jaxslices.IndexedSlices.recipe`): ``fn`` is
+    applied to the materialised rows; to scale, use :func:`tree_scale`, which
+    keeps it.
 
     Args:
       fn: array -> array. On a slices leaf it must keep the values' shape
@@ -177,8 +191,10 @@ def _map_values(
                     "fn(jaxslices.to_dense(tree))."
                 )
             if factor is None:
-                return _replace_values(g, values)
-            return slices.scale_values(g, values, factor)
+                return _replace_values(
+                    g, values, f"jaxslices.{name} (a map of the rows)"
+                )
+            return slices.scale_values(g, values, factor, f"jaxslices.{name}")
         return fn(g)
 
     return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=_is_leaf)
@@ -189,7 +205,9 @@ def tree_scale(scalar: Any, tree: Any) -> Any:
 
     The sparse-aware ``jax.tree.map(lambda g: scalar * g, tree)`` (which raises
     on slices): ``to_dense(tree_scale(c, g)) == c * to_dense(g)``. Like
-    :func:`optax.tree.scale`, the result keeps each leaf's dtype.
+    :func:`optax.tree.scale`, the result keeps each leaf's dtype. Slices keep
+    their pooled form, scaled (:attr:`jaxslices.IndexedSlices.recipe`), so
+    a native optimizer step after it still reads the pooled gradient.
 
     Args:
       scalar: a scalar (Python number or 0-d array).
@@ -214,7 +232,7 @@ def tree_scale(scalar: Any, tree: Any) -> Any:
     def scale(x):
         return (jnp.asarray(scalar) * x).astype(x.dtype)
 
-    return tree_map_values(scale, tree)
+    return _map_values("tree_scale", scale, tree, factor=scalar)
 
 
 def _axis_size(axis_name: AxisName) -> Any:
@@ -266,7 +284,9 @@ def _sum_slices(
             values = jax.lax.all_gather(values, names, axis=0, tiled=True)
             indices = jax.lax.all_gather(indices, names, axis=0, tiled=True)
     copies = _axis_size(tuple(a for a, _ in repeat)) if repeat else 1
-    return IndexedSlices(values, indices, s.dense_shape), copies
+    out = IndexedSlices(values, indices, s.dense_shape)
+    lost = "jaxslices.tree_psum / tree_pmean (slices are all-gathered as rows)"
+    return slices.lost_from(out, s, lost), copies
 
 
 def tree_psum(tree: Any, axis_name: AxisName) -> Any:

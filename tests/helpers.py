@@ -125,3 +125,15 @@ def dense_bag(table, ids, weights, combiner, padding_id=None):
         return total
     den = jnp.sum(w, -1) if combiner == "mean" else jnp.sqrt(jnp.sum(w * w, -1))
     return total / jnp.where(den == 0, 1.0, den)[..., None]
+
+
+def bag_problem(seed: int, *, rows: int, dim: int, bags: int, length: int):
+    """A bag model's ``(params, ids, y)``: a ``[rows, dim]`` table ``emb``, a
+    head ``w``, ``[bags, length]`` Zipf ids (many repeats), float32 targets."""
+    rng = np.random.default_rng(seed)
+    params = {
+        "emb": jnp.asarray(rng.normal(size=(rows, dim)), jnp.float32),
+        "w": jnp.asarray(rng.normal(size=dim), jnp.float32),
+    }
+    ids = jnp.asarray((rng.zipf(1.3, size=(bags, length)) - 1) % rows, jnp.int32)
+    return params, ids, jnp.asarray(rng.normal(size=bags), jnp.float32)

@@ -42,7 +42,7 @@ import numpy as np
 from .. import _errors, _ids, _tape
 from ..embedding import embedding_lookup, pool
 from ..jagged import segment_ids
-from ..kernels import _ops as kernel_ops
+from ..kernels import _path as kernel_path
 from ..keyed import KeyedJaggedIds, pad_bags, padded_features
 
 WHERE = "EmbeddingCollection"
@@ -438,9 +438,9 @@ def _jagged(coll, lay, params, features, check_ids, batch_major, gathers):
 def _native(table, gids, b) -> bool:
     """Whether a buffer pools on the native path (one piece per row)."""
     if b.pieces > 1:
-        kernel_ops.note(f"{WHERE} buffer {b.name!r}", "column-wise pieces")
+        kernel_path.note(f"{WHERE} buffer {b.name!r}", "column-wise pieces")
         return False
-    native = kernel_ops.route(f"{WHERE} buffer {b.name!r}", table, gids)
+    native = kernel_path.route(f"{WHERE} buffer {b.name!r}", table, gids)
     expected = _tape.expects_pooled(table)  # this value_and_grad's first path
     return native if expected is None else expected
 

@@ -9,16 +9,23 @@ distinct row and its optimizer state updated once, in place), and the
 in-place update of the table. The API does not change: the same
 ``jaxslices.value_and_grad``, layers, transforms, ``optax.chain`` and
 ``apply_updates`` take this path by themselves when it is available and the
-step allows it, and the XLA path otherwise (``docs/native.md``).
+step allows it, and the XLA path otherwise (``docs/kernels.md``).
 
 This module is the user's handle on it:
 
 * :func:`status` / :func:`available`: are the kernels built and loaded?
   (They are compiled on first use against the installed jaxlib's headers;
   without a C++ compiler jaxslices says so once and runs on XLA.)
-* :func:`explain`: which path each operation of a step takes, and why.
-* :func:`disabled`: trace a step on the XLA path (``JAXSLICES_NATIVE=0``
-  does it for a whole process).
+* :func:`explain`: which path each operation of a step takes, and why, and
+  where a kernel reads a gradient's materialised rows instead of its pooled
+  form (:attr:`jaxslices.IndexedSlices.recipe`).
+* :func:`disabled`: run on the XLA path; part of ``jax.jit``'s cache keys,
+  so a step traced before is traced again (``JAXSLICES_NATIVE=0`` turns the
+  kernels off for a whole process).
+
+Inside: ``_path`` (path choice: the switch, ``route``, the notes
+``explain`` reads), ``_ops`` (the ops as primitives, their XLA references),
+``_build`` (compile, cache, load), ``_explain``.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from ._build import KernelsUnavailableWarning, library_path
 from ._build import load as _load
 from ._build import status as _status
 from ._explain import Report, explain
-from ._ops import Decision, disabled
+from ._path import Decision, disabled
 
 __all__ = [
     "Decision",

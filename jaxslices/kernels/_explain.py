@@ -1,7 +1,14 @@
-"""``explain``: which path (native kernel or XLA) each operation of a step takes."""
+"""``explain``: which path (native kernel or XLA) each operation of a step takes.
+
+It reads the decisions from the step's jaxpr (the path notes of
+:mod:`jaxslices.kernels._path` and the native ops' own equations), so it
+reports the trace that calling the step runs: the kernels' switch is part of
+``jax.jit``'s cache keys, and ``explain`` traces in the caller's context.
+"""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 from collections.abc import Callable, Iterator
@@ -10,7 +17,8 @@ from typing import Any
 import jax
 
 from . import _build
-from ._ops import NATIVE_OPS, Decision
+from ._ops import NATIVE_OPS
+from ._path import MARKER, MATERIALISED, Decision
 
 __all__ = ["Report", "explain"]
 
@@ -35,12 +43,19 @@ class Report:
         """``True`` if every jaxslices operation of the step runs natively."""
         return bool(self.decisions) and all(d.native for d in self.decisions)
 
+    @property
+    def materialised(self) -> tuple[Decision, ...]:
+        """The native operations that read a gradient's ``[N, D]`` values."""
+        return tuple(d for d in self.decisions if d.native and d.materialised)
+
     def __str__(self) -> str:
         lines = [f"native kernels: {self.status}"]
         if not self.decisions:
             lines.append("no jaxslices operation with a native kernel in this step")
         for d in self.decisions:
             path = "native" if d.native else f"XLA ({d.reason})"
+            if d.native and d.materialised:
+                path = f"native, {d.materialised}"
             lines.append(f"  {d.op}: {path}")
         lines.append(f"native kernel calls in the compiled step: {self.native_calls}")
         return "\n".join(lines)
@@ -68,14 +83,18 @@ def _walk(jaxpr: Any) -> Iterator[Any]:
 
 def _decisions(jaxpr: Any, per_device: bool) -> list[Decision]:
     out = []
+    reads = collections.defaultdict(list)  # op -> why it reads the values
     for eqn in _walk(jaxpr):
         name = eqn.primitive.name
-        if name == "jaxslices_xla_path":
+        if name == MARKER and eqn.params["kind"] == MATERIALISED:
+            reads[eqn.params["op"]].append(eqn.params["reason"])
+        elif name == MARKER:
             out.append(Decision(eqn.params["op"], False, eqn.params["reason"]))
         elif name in NATIVE_OPS:
             label = eqn.params.get("label") or name
             if per_device:
-                out.append(Decision(label, True, ""))
+                why = reads[label].pop(0) if reads[label] else ""
+                out.append(Decision(label, True, "", why))
             else:
                 out.append(
                     Decision(
@@ -109,7 +128,15 @@ def explain(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     traced and lowered, not run. Each embedding bag, optimizer transform and
     update of a table is reported as ``native`` or ``XLA`` with the reason
     (the kernels are off or unavailable, not a CPU, a dtype the kernels do
-    not take, ``jax.vmap``, a step partitioned over several devices).
+    not take, ``jax.vmap``, a step partitioned over several devices). A
+    native kernel that reads a gradient's materialised ``[N, D]`` values
+    instead of its pooled form (:attr:`jaxslices.IndexedSlices.recipe`) says
+    so, and why (e.g. the tree operation that lost the pooled form).
+
+    The report is what calling ``fun(*args, **kwargs)`` here runs: inside
+    :func:`jaxslices.kernels.disabled` the XLA path, outside it the native
+    one, whichever JAX traced and cached before (the switch is part of
+    ``jax.jit``'s cache keys).
 
     Example:
       >>> import functools, jax, jax.numpy as jnp, jaxslices as js

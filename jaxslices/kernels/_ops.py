@@ -21,19 +21,18 @@ Three ops (``csrc/`` holds their kernels):
   in place;
 * :func:`apply`: a sparse update, as a recipe, added to a table in place.
 
-A :class:`Recipe` describes the rows of a sparse gradient without making
-them: slot ``s`` holds ``scale * weight[s] * src[bag[s]]``, so the pooled
-gradient of a bag (``[B, R]``) stands for its ``[N, R]`` per-id rows.
+A :class:`~jaxslices._recipe.Recipe` (:attr:`jaxslices.IndexedSlices.recipe`)
+describes the rows of a sparse gradient without making them: slot ``s``
+holds ``scale * weight[s] * src[bag[s]]``, so the pooled gradient of a bag
+(``[B, R]``) stands for its ``[N, R]`` per-id rows. Whether an op runs its
+kernel at all is decided by :mod:`jaxslices.kernels._path`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -41,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _coalesce, _jax_compat, _strict
+from .._recipe import Recipe, flat_rows
 from . import _build
 
 # Flags of the kernels' "flags" attribute (csrc/common.h).
@@ -66,177 +66,6 @@ RULES = {
     "ftrl": 8,
     "max_norm": 9,
 }
-
-# ------------------------------------------------------------ the switch
-
-_LOCAL = threading.local()
-
-
-def _enabled() -> bool:
-    return getattr(_LOCAL, "enabled", True) and _build.enabled_by_env()
-
-
-@contextmanager
-def disabled() -> Iterator[None]:
-    """Trace with the native kernels off (this thread): the XLA path.
-
-    The choice is made when a step is traced, so wrap the first call (or the
-    ``jax.jit(...).lower``) of a step, not later calls of a compiled one.
-    ``JAXSLICES_NATIVE=0`` in the environment does the same for a process.
-
-    Example:
-      >>> import jax.numpy as jnp, jaxslices
-      >>> with jaxslices.kernels.disabled():
-      ...     out = jaxslices.embedding_bag(jnp.ones((4, 2)), jnp.array([[1, 2]]))
-    """
-    before = getattr(_LOCAL, "enabled", True)
-    _LOCAL.enabled = False
-    try:
-        yield
-    finally:
-        _LOCAL.enabled = before
-
-
-# ---------------------------------------------------- decisions, recorded
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """Which path one operation of a step takes, decided when it is traced."""
-
-    op: str  # what the user called, with the leaf: "jaxslices.adagrad ['emb']"
-    native: bool
-    reason: str  # why not native ("" when native)
-
-
-def _record(op: str, reason: str | None) -> None:
-    if reason is not None and _PATH is not None:
-        # A marker in the traced jaxpr, so that `explain` finds the decision
-        # also in a step traced (and cached by jit) before it was asked.
-        _PATH.bind(np.zeros((), np.int8), op=op, reason=reason)
-
-
-def _make_path_marker() -> Any:
-    """``jaxslices_xla_path``: an identity on a constant, holding a decision."""
-    if not _jax_compat.AVAILABLE["ffi_primitive"]:  # pragma: no cover
-        return None
-    p = _jax_compat.Primitive("jaxslices_xla_path")
-    p.def_impl(lambda x, **_: x)
-    p.def_abstract_eval(lambda x, **_: x)
-    _jax_compat.mlir.register_lowering(p, lambda ctx, x, **_: [x])
-    _jax_compat.primitive_batchers[p] = lambda args, dims, **_: (args[0], dims[0])
-    _jax_compat.primitive_jvps[p] = lambda primals, tangents, **_: (
-        primals[0],
-        tangents[0],
-    )
-    return p
-
-
-_PATH = _make_path_marker()
-
-
-def note(op: str, reason: str) -> None:
-    """Record that ``op`` takes the XLA path because of ``reason``."""
-    _record(op, reason)
-
-
-def route(op: str, *arrays: Any, dtypes: tuple[Any, ...] = (jnp.float32,)) -> bool:
-    """Whether ``op`` takes the native path; the decision is recorded.
-
-    Native when: the kernels are enabled and load (built on first use; a
-    failure warns once), JAX's default platform is the CPU, every float
-    array among ``arrays`` has a dtype in ``dtypes``, and none is batched by
-    ``jax.vmap``. Otherwise the caller runs its XLA path.
-    """
-    reason = _why_not(arrays, dtypes)
-    _record(op, reason)
-    return reason is None
-
-
-def _why_not(arrays: tuple[Any, ...], dtypes: tuple[Any, ...]) -> str | None:
-    if not _enabled():
-        return "the native kernels are off (JAXSLICES_NATIVE=0 or kernels.disabled())"
-    if not _jax_compat.AVAILABLE["ffi_primitive"]:
-        return "this JAX lacks the primitive API the kernels are called through"
-    platform = jax.default_backend()
-    if platform != "cpu":
-        return f"the platform is {platform}: the native kernels are CPU-only"
-    for x in arrays:
-        if x is None:
-            continue
-        dtype = jnp.result_type(x)
-        if jnp.issubdtype(dtype, jnp.inexact) and dtype not in dtypes:
-            names = ", ".join(jnp.dtype(d).name for d in dtypes)
-            return f"a {jnp.dtype(dtype).name} array (the kernels take {names})"
-        if _jax_compat.is_batched(x):
-            return "inside jax.vmap (the kernels run one problem at a time)"
-        mesh = _jax_compat.abstract_mesh(x)
-        if mesh is not None and mesh.size > 1:
-            kinds = _jax_compat.axis_kinds(mesh)
-            if kinds is None or "Manual" not in kinds:
-                return (
-                    f"an array laid out over a mesh of {mesh.size} devices by jit "
-                    "(the kernels have no partitioning rule; shard_map runs them "
-                    "per device)"
-                )
-    if not _build.load():
-        return f"the kernels are unavailable: {_build.status()}"
-    return None
-
-
-# ------------------------------------------------------------- recipes
-
-
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-    """The rows of a sparse gradient, not materialised.
-
-    Slot ``s`` of ``N`` holds ``scale * weight[s] * src[b(s)]`` with ``b(s)``
-    ``bag[s]`` (jagged bags), ``s // length`` (padded bags), or ``s``.
-    ``count``: set on coalesced rows (the valid ids come first and are
-    distinct); rows of slots whose id is padding may hold anything, readers
-    skip them.
-    """
-
-    src: jax.Array  # [M, R] float32
-    bag: jax.Array | None = None  # [N] int32
-    length: int = 0  # > 0: padded bags of this many slots
-    weight: jax.Array | None = None  # [N] float32
-    scale: jax.Array | None = None  # scalar float32
-    count: jax.Array | None = None
-    sumsq: jax.Array | None = None  # squared norm of the rows (coalesced)
-
-    def scaled(self, factor: Any) -> Recipe:
-        """The recipe times a scalar."""
-        factor = jnp.asarray(factor, jnp.float32)
-        scale = factor if self.scale is None else self.scale * factor
-        return dataclasses.replace(self, scale=scale, sumsq=None)
-
-    def values(self, num_slots: int) -> jax.Array:
-        """The ``[N, R]`` rows (XLA), padding slots as they are."""
-        if self.bag is not None:
-            rows = self.src[self.bag]
-        elif self.length > 0:
-            rows = jnp.repeat(
-                self.src, self.length, axis=0, total_repeat_length=num_slots
-            )
-        else:
-            rows = self.src
-        if self.weight is not None:
-            rows = rows * self.weight[:, None]
-        if self.scale is not None:
-            rows = rows * self.scale
-        return rows
-
-
-def flat_rows(x: jax.Array) -> jax.Array:
-    """``[V, *row]`` as ``[V, R]`` (a free reshape; ``R = prod(row)``)."""
-    return x.reshape(x.shape[0], math.prod(x.shape[1:]))
-
-
-def recipe_of_values(values: jax.Array) -> Recipe:
-    return Recipe(flat_rows(values))
-
 
 # ---------------------------------------------------- the primitive seam
 

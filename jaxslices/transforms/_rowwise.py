@@ -55,7 +55,9 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from .. import _coalesce, _errors, _leaves, _spmd, slices
+from .._recipe import Recipe
 from ..kernels import _ops as kernel_ops
+from ..kernels import _path as kernel_path
 from ..slices import IndexedSlices, _replace_values, check_slices
 from ..tree import _map_values
 
@@ -357,7 +359,7 @@ def coalesce_all(
             )
             if done is not None:
                 out, _, sumsq = done
-                recipe = dataclasses.replace(slices.recipe_of(out), sumsq=sumsq)
+                recipe = dataclasses.replace(out.recipe, sumsq=sumsq)
                 return slices.with_recipe(out, recipe)
         return coalesce_for_update(x, method, bound, where(name, path))
 
@@ -409,15 +411,14 @@ def native_leaf(
     """
     label = where(name, path)
     if native.refuse is not None:
-        kernel_ops.note(label, native.refuse)
+        kernel_path.note(label, native.refuse)
         return None
-    if not kernel_ops.route(label, g.values, state, p):
+    if not kernel_path.route(label, g.values, state, p):
         return None
     n = g.num_slices
     capacity = n if bound is None else min(bound, n)
-    recipe = slices.recipe_of(g) or kernel_ops.recipe_of_values(g.values)
     new_state, uids, rows, count, sumsq = kernel_ops.rowwise(
-        recipe,
+        slices.kernel_input(g, label),
         g.indices,
         num_rows=g.dense_shape[0],
         spec=native.spec,
@@ -444,7 +445,7 @@ def native_leaf(
         unique_indices=True,
         indices_sorted=False,
     )
-    out = slices.with_recipe(out, kernel_ops.Recipe(rows, count=count))
+    out = slices.with_recipe(out, Recipe(rows))
     return out, new_state, sumsq
 
 

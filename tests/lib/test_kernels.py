@@ -6,7 +6,7 @@ when the kernels load) and once traced under ``jaxslices.kernels.disabled()``
 ids, out-of-range ids, weights, empty bags and empty batches. The two paths
 sum rows in different orders, so they agree to float32 rounding:
 ``rtol=2e-5, atol=2e-6`` over three steps (``TOL``); that is the tolerance
-the docs state (docs/native.md).
+the docs state (docs/kernels.md, "Same numbers, to float rounding").
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxslices as js
-from jaxslices.kernels import _ops
+from jaxslices.kernels import _ops, _path
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = {"rtol": 2e-5, "atol": 2e-6}
@@ -232,7 +232,7 @@ def test_int64_ids_in_the_kernels_under_x64():
         jax.config.update("jax_enable_x64", True)
         import contextlib
         import jax.numpy as jnp, numpy as np
-        from jaxslices.kernels import _ops
+        from jaxslices.kernels import _ops, _path
         rng = np.random.default_rng(0)
         table = jnp.asarray(rng.normal(size=(30, 4)), jnp.float32)
         state = jnp.asarray(rng.uniform(size=(30, 4)), jnp.float32)
@@ -245,7 +245,7 @@ def test_int64_ids_in_the_kernels_under_x64():
         )
         rec = _ops.Recipe(src)
         for native in (True, False):
-            with contextlib.nullcontext() if native else _ops.disabled():
+            with contextlib.nullcontext() if native else _path.disabled():
                 out = jax.jit(lambda s: _ops.rowwise(
                     rec, ids, num_rows=30, spec=spec, hp=(1e-7,), state=s,
                     capacity=12))(state)
@@ -821,8 +821,8 @@ def test_a_gate_that_changes_its_answer_between_traces_keeps_the_first_path(
     tests/scale/test_sharding.py), the later trace follows discovery instead
     of failing with "different embedding lookups on different traces"."""
     answers = iter(["XLA for the first trace"])
-    real = _ops._why_not
-    monkeypatch.setattr(_ops, "_why_not", lambda *a: next(answers, None) or real(*a))
+    real = _path._why_not
+    monkeypatch.setattr(_path, "_why_not", lambda *a: next(answers, None) or real(*a))
     table = jnp.arange(40.0).reshape(10, 4)
     ids = jnp.array([[1, 2, 2], [9, 0, -1]], jnp.int32)
 

@@ -1,0 +1,174 @@
+"""``Recipe``: the pooled form of a sparse gradient, carried by ``IndexedSlices``.
+
+The gradient of an embedding bag is, per looked-up id, its bag's pooled
+gradient times the id's weight: ``values[s] = scale * weight[s] * G[bag[s]]``
+with ``G`` the pooled gradient ``[B, D]``. The ``[N, D]`` values are an XLA
+expression of ``G``; a native kernel (:mod:`jaxslices.kernels`) reads ``G``,
+the weights and the bag of each slot instead, and XLA then never computes
+the values. A :class:`Recipe` is that description, and
+:attr:`jaxslices.IndexedSlices.recipe` is where a gradient carries it.
+
+The recipe is a typed, static part of an ``IndexedSlices``, not a pytree
+child: the pytree of a slices leaf stays ``(values, indices)`` with aux data
+``dense_shape`` (the contract every JAX transformation relies on). Whatever
+rebuilds slices from their leaves (a ``jit`` boundary, a checkpoint, most
+generic tree code) gets the values without the recipe; jaxslices' own tree
+functions keep it where the result can be described (see
+``docs/sparse_gradients.md``, "The pooled gradient").
+
+The same layout is what the kernels take (``kernels/csrc/common.h``): a slot
+whose source row is out of ``[0, M)`` holds zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Recipe", "concatenate", "flat_rows"]
+
+
+def flat_rows(x: jax.Array) -> jax.Array:
+    """``[V, *row]`` as ``[V, R]`` (a free reshape; ``R = prod(row)``)."""
+    return x.reshape(x.shape[0], math.prod(x.shape[1:]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How the ``N`` rows of a sparse gradient are made, without making them.
+
+    Slot ``s`` holds ``scale * weight[s] * src[b(s)]``, with ``b(s)`` =
+    ``bag[s]`` (bags given per slot), ``s // length`` (padded bags of
+    ``length`` slots), or ``s`` (the rows themselves); a source row outside
+    ``[0, M)`` gives zeros. Rows of slots whose index is padding may hold
+    anything: every reader skips them.
+
+    Attributes:
+      src: ``[M, R]`` float32 source rows (a bag's pooled gradient, or the
+        rows a native kernel returned).
+      bag: ``[N]`` int32 source row of each slot, or ``None``.
+      length: ``> 0``: padded bags of this many slots (``bag`` is ``None``).
+      weight: ``[N]`` float32 per-slot factor, or ``None`` (1).
+      scale: a float32 scalar factor of every slot, or ``None`` (1).
+      sumsq: the squared norm of the rows, when they are coalesced (the
+        native coalescing kernel measures it; :func:`jaxslices.global_norm`
+        reads it), else ``None``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxslices._recipe import Recipe
+      >>> r = Recipe(jnp.array([[1.0], [2.0]]), length=2)  # 2 bags of 2 slots
+      >>> r.scaled(0.5).values(4).ravel()
+      Array([0.5, 0.5, 1. , 1. ], dtype=float32)
+    """
+
+    src: jax.Array
+    bag: jax.Array | None = None
+    length: int = 0
+    weight: jax.Array | None = None
+    scale: jax.Array | None = None
+    sumsq: jax.Array | None = None
+
+    @classmethod
+    def of_rows(cls, values: jax.Array) -> Recipe:
+        """The recipe of materialised ``[N, *row]`` values: the rows themselves."""
+        return cls(flat_rows(values))
+
+    @property
+    def pooled(self) -> bool:
+        """``True`` when several slots share a source row (a bag's gradient)."""
+        return self.bag is not None or self.length > 0
+
+    def scaled(self, factor: Any) -> Recipe:
+        """The recipe times a scalar (the squared norm is not known any more)."""
+        factor = jnp.asarray(factor, jnp.float32)
+        scale = factor if self.scale is None else self.scale * factor
+        return dataclasses.replace(self, scale=scale, sumsq=None)
+
+    def source_rows(self, num_slots: int) -> jax.Array:
+        """``b(s)`` of every slot, ``[num_slots]`` int32 (may be out of range)."""
+        if self.bag is not None:
+            return jnp.asarray(self.bag, jnp.int32)
+        slots = jnp.arange(num_slots, dtype=jnp.int32)
+        return slots // self.length if self.length > 0 else slots
+
+    def factors(self, num_slots: int) -> jax.Array | None:
+        """``scale * weight[s]`` of every slot, ``[num_slots]``, or ``None`` (1)."""
+        if self.weight is None and self.scale is None:
+            return None
+        w = jnp.ones((num_slots,), jnp.float32) if self.weight is None else self.weight
+        return w if self.scale is None else w * self.scale
+
+    def values(self, num_slots: int) -> jax.Array:
+        """The ``[num_slots, R]`` rows (XLA), padding slots as they are."""
+        if self.bag is not None:
+            m = self.src.shape[0]
+            inside = (self.bag >= 0) & (self.bag < m)
+            rows = self.src.at[jnp.where(inside, self.bag, m)].get(
+                mode="fill", fill_value=0
+            )
+        elif self.length > 0:
+            rows = jnp.repeat(
+                self.src, self.length, axis=0, total_repeat_length=num_slots
+            )
+        else:
+            rows = self.src
+        if self.weight is not None:
+            rows = rows * self.weight[:, None]
+        if self.scale is not None:
+            rows = rows * self.scale
+        return rows
+
+    def __repr__(self) -> str:
+        m, r = self.src.shape
+        how = (
+            "per-slot bags"
+            if self.bag is not None
+            else f"padded bags of {self.length}"
+            if self.length > 0
+            else "rows"
+        )
+        extras = [x for x in ("weight", "scale") if getattr(self, x) is not None]
+        tail = "".join(f", {x}" for x in extras)
+        return f"Recipe(float32[{m}, {r}], {how}{tail})"
+
+
+def concatenate(parts: Sequence[tuple[Recipe, int]]) -> Recipe:
+    """The recipe of concatenated slices: ``(recipe, slots)`` of each part.
+
+    Every part becomes per-slot bags into the concatenated sources (a part's
+    scale folded into its weights), so concatenating pooled gradients keeps
+    them pooled (several lookups of one table, ``tree_add`` of two steps'
+    gradients).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxslices._recipe import Recipe, concatenate
+      >>> a = Recipe(jnp.array([[1.0]]), length=2)
+      >>> b = Recipe(jnp.array([[3.0]]), length=1).scaled(2.0)
+      >>> concatenate([(a, 2), (b, 1)]).values(3).ravel()
+      Array([1., 1., 6.], dtype=float32)
+    """
+    if len(parts) == 1:
+        return parts[0][0]
+    srcs, bags, weights, offset = [], [], [], 0
+    weighted = any(r.factors(n) is not None for r, n in parts)
+    for recipe, n in parts:
+        m = recipe.src.shape[0]
+        bag = recipe.source_rows(n)
+        bags.append(jnp.where((bag >= 0) & (bag < m), bag + offset, -1))
+        srcs.append(recipe.src)
+        if weighted:
+            w = recipe.factors(n)
+            weights.append(jnp.ones((n,), jnp.float32) if w is None else w)
+        offset += m
+    return Recipe(
+        jnp.concatenate(srcs),
+        bag=jnp.concatenate(bags).astype(jnp.int32),
+        weight=jnp.concatenate(weights) if weighted else None,
+    )

@@ -1,0 +1,176 @@
+"""Path choice: does an operation run its native kernel or the XLA path, and why.
+
+Every jaxslices operation with a kernel asks :func:`route` when it is traced
+(the kernels are on and load, the platform is the CPU, float32 arrays, not
+under ``jax.vmap``, not laid out over a mesh by ``jit``), or records with
+:func:`note` why it takes the XLA path by itself. Each decision is written
+into the traced jaxpr as a marker primitive that computes nothing, so that
+:func:`jaxslices.kernels.explain` reads the decisions of the step as JAX
+traced it (also of a trace JAX had cached). A native kernel that reads a
+sparse gradient's ``[N, D]`` values instead of its pooled form records that
+too (:func:`note_materialised`).
+
+**The switch is part of JAX's cache keys.** :func:`disabled` sets a JAX
+*user context* (:func:`jax.make_user_context`: a value that ``jax.jit``'s
+tracing, lowering and compilation caches key on), so a function traced with
+the kernels on is traced again inside ``disabled()``, and the other way
+round: a step called, lowered or explained inside ``disabled()`` takes the
+XLA path whether or not JAX traced it before, and outside it the native path.
+``JAXSLICES_NATIVE=0`` is read when a step is traced; it is meant for a whole
+process (set it before the process starts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _jax_compat
+from . import _build
+
+__all__ = ["Decision", "disabled", "note", "note_materialised", "route"]
+
+# ------------------------------------------------------------ the switch
+
+# Keyed on by jax.jit's caches (trace, lowering, compilation): a new value
+# means a new trace. Made once, at import (making one is not thread-safe).
+_NATIVE_ON = jax.make_user_context(True)
+
+
+def _enabled() -> bool:
+    return bool(_NATIVE_ON.value) and _build.enabled_by_env()
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Run with the native kernels off (this thread): the XLA path.
+
+    The switch is part of what ``jax.jit`` caches on: a step called (or
+    lowered, or passed to :func:`jaxslices.kernels.explain`) inside
+    ``disabled()`` is traced on the XLA path, also when JAX traced it with
+    the kernels on before, and a step called outside it runs the native path
+    again (each path traced and compiled once). ``JAXSLICES_NATIVE=0`` in
+    the environment turns the kernels off for a whole process.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxslices
+      >>> bag = jax.jit(jaxslices.embedding_bag)
+      >>> table, ids = jnp.ones((4, 2)), jnp.array([[1, 2]])
+      >>> native = bag(table, ids)  # the native kernel, where it loads
+      >>> with jaxslices.kernels.disabled():
+      ...     xla = bag(table, ids)  # traced again: the XLA path
+    """
+    with _NATIVE_ON(False):
+        yield
+
+
+# ---------------------------------------------------- decisions, recorded
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Which path one operation of a step takes, decided when it is traced.
+
+    Attributes:
+      op: what the user called, with the leaf (``"jaxslices.adagrad (leaf
+        ['emb'])"``).
+      native: ``True`` when the op's native kernel runs.
+      reason: why not native (``""`` when native).
+      materialised: for a native kernel that reads a sparse gradient, why it
+        reads the gradient's materialised ``[N, D]`` values instead of its
+        pooled form (``""`` when it reads the pooled form, or reads none).
+    """
+
+    op: str
+    native: bool
+    reason: str
+    materialised: str = ""
+
+
+def _record(op: str, reason: str, kind: str) -> None:
+    if _NOTE is not None:
+        # A marker in the traced jaxpr, so that `explain` finds the decision
+        # also in a step traced (and cached by jit) before it was asked.
+        _NOTE.bind(np.zeros((), np.int8), op=op, reason=reason, kind=kind)
+
+
+def _make_marker() -> Any:
+    """``jaxslices_path_note``: an identity on a constant, holding a decision."""
+    if not _jax_compat.AVAILABLE["ffi_primitive"]:  # pragma: no cover
+        return None
+    p = _jax_compat.Primitive("jaxslices_path_note")
+    p.def_impl(lambda x, **_: x)
+    p.def_abstract_eval(lambda x, **_: x)
+    _jax_compat.mlir.register_lowering(p, lambda ctx, x, **_: [x])
+    _jax_compat.primitive_batchers[p] = lambda args, dims, **_: (args[0], dims[0])
+    _jax_compat.primitive_jvps[p] = lambda primals, tangents, **_: (
+        primals[0],
+        tangents[0],
+    )
+    return p
+
+
+_NOTE = _make_marker()
+MARKER = "jaxslices_path_note"
+XLA, MATERIALISED = "xla", "materialised"
+
+
+def note(op: str, reason: str) -> None:
+    """Record that ``op`` takes the XLA path because of ``reason``."""
+    _record(op, reason, XLA)
+
+
+def note_materialised(op: str, reason: str) -> None:
+    """Record that ``op``'s native kernel reads materialised rows, and why."""
+    _record(op, reason, MATERIALISED)
+
+
+def route(op: str, *arrays: Any, dtypes: tuple[Any, ...] = (jnp.float32,)) -> bool:
+    """Whether ``op`` takes the native path; an XLA path is recorded with why.
+
+    Native when: the kernels are enabled and load (built on first use; a
+    failure warns once), JAX's default platform is the CPU, every float
+    array among ``arrays`` has a dtype in ``dtypes``, and none is batched by
+    ``jax.vmap``. Otherwise the caller runs its XLA path.
+    """
+    reason = _why_not(arrays, dtypes)
+    if reason is not None:
+        note(op, reason)
+    return reason is None
+
+
+def _why_not(arrays: tuple[Any, ...], dtypes: tuple[Any, ...]) -> str | None:
+    if not _enabled():
+        return "the native kernels are off (JAXSLICES_NATIVE=0 or kernels.disabled())"
+    if not _jax_compat.AVAILABLE["ffi_primitive"]:
+        return "this JAX lacks the primitive API the kernels are called through"
+    platform = jax.default_backend()
+    if platform != "cpu":
+        return f"the platform is {platform}: the native kernels are CPU-only"
+    for x in arrays:
+        if x is None:
+            continue
+        dtype = jnp.result_type(x)
+        if jnp.issubdtype(dtype, jnp.inexact) and dtype not in dtypes:
+            names = ", ".join(jnp.dtype(d).name for d in dtypes)
+            return f"a {jnp.dtype(dtype).name} array (the kernels take {names})"
+        if _jax_compat.is_batched(x):
+            return "inside jax.vmap (the kernels run one problem at a time)"
+        mesh = _jax_compat.abstract_mesh(x)
+        if mesh is not None and mesh.size > 1:
+            kinds = _jax_compat.axis_kinds(mesh)
+            if kinds is None or "Manual" not in kinds:
+                return (
+                    f"an array laid out over a mesh of {mesh.size} devices by jit "
+                    "(the kernels have no partitioning rule; shard_map runs them "
+                    "per device)"
+                )
+    if not _build.load():
+        return f"the kernels are unavailable: {_build.status()}"
+    return None

@@ -1,0 +1,175 @@
+"""Path choice (jaxslices.kernels._path): the switch is part of JAX's caches.
+
+``js.kernels.disabled()`` is a JAX user context, so ``jax.jit`` keys its
+trace, lowering and compilation caches on it: a function traced before with
+the kernels on is traced again inside ``disabled()`` (and the other way
+round), and ``explain`` reports what calling the step runs in the caller's
+context. What actually runs is read from the compiled step (its custom
+calls), not from what jaxslices says about it.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import bag_problem
+
+import jaxslices as js
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+
+needs_kernels = [
+    pytest.mark.skipif(
+        jax.default_backend() != "cpu", reason="the kernels are CPU-only"
+    ),
+    pytest.mark.skipif(
+        not js.kernels.available(),
+        reason=f"needs the native kernels here: {js.kernels.status()}",
+    ),
+]
+
+
+def _problem(seed=0):
+    return bag_problem(seed, rows=50, dim=4, bags=6, length=5)
+
+
+TX = js.rowwise_adagrad(0.1)
+
+
+def _loss(p, ids, y):
+    h = js.embedding_bag(p["emb"], ids, combiner="mean")
+    return jnp.mean((h @ p["w"] - y) ** 2)
+
+
+def _step(p, s, ids, y):  # one module-level function, traced by several jits
+    u, s = TX.update(js.grad(_loss)(p, ids, y), s, p)
+    return js.apply_updates(p, u), s
+
+
+def _custom_calls(jitted, *args) -> int:
+    """The native kernel calls of the step as it compiles here and now."""
+    text = jitted.lower(*args).compile().as_text()
+    return len(re.findall(r'custom_call_target="jaxslices_', text))
+
+
+def needs(test):
+    for mark in needs_kernels:
+        test = mark(test)
+    return test
+
+
+@needs
+def test_disabled_around_a_new_jit_of_a_function_traced_before():
+    """The issue's case: JAX had cached the trace of `_step` (native); a new
+    `jax.jit(_step)` called first inside `disabled()` must take the XLA path."""
+    params, ids, y = _problem()
+    state = TX.init(params)
+    native_step = jax.jit(_step)
+    want_native = native_step(params, state, ids, y)
+    assert _custom_calls(native_step, params, state, ids, y) > 0
+
+    with js.kernels.disabled():
+        fresh = jax.jit(_step)
+        got_xla = fresh(params, state, ids, y)
+        assert _custom_calls(fresh, params, state, ids, y) == 0
+        report = js.kernels.explain(fresh, params, state, ids, y)
+    assert report.decisions and not any(d.native for d in report.decisions)
+    assert all("are off" in d.reason for d in report.decisions), str(report)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), got_xla,
+                 want_native)  # fmt: skip
+
+
+@needs
+def test_a_compiled_step_called_inside_disabled_runs_the_xla_path_then_native():
+    params, ids, y = _problem(1)
+    state = TX.init(params)
+    step = jax.jit(_step)
+    step(params, state, ids, y)
+    with js.kernels.disabled():
+        assert _custom_calls(step, params, state, ids, y) == 0
+        xla = step(params, state, ids, y)
+    assert _custom_calls(step, params, state, ids, y) > 0
+    native = step(params, state, ids, y)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), xla, native)
+
+
+@needs
+def test_explain_of_an_unjitted_function_reports_what_calling_it_runs():
+    params, ids, y = _problem(2)
+    state = TX.init(params)
+
+    def step(p, s, ids, y):  # un-jitted: explain jits it
+        return _step(p, s, ids, y)
+
+    assert js.kernels.explain(step, params, state, ids, y).native
+    with js.kernels.disabled():
+        report = js.kernels.explain(step, params, state, ids, y)
+        assert _custom_calls(jax.jit(step), params, state, ids, y) == 0
+    assert not any(d.native for d in report.decisions), str(report)
+    assert js.kernels.explain(step, params, state, ids, y).native
+    assert _custom_calls(jax.jit(step), params, state, ids, y) > 0
+
+
+@needs
+def test_eager_ops_follow_the_switch():
+    """Un-jitted calls: each op decides (and compiles) in the caller's context."""
+    table = jnp.arange(12.0).reshape(6, 2)
+    ids = jnp.array([[1, 2, 2], [5, 0, 6]])
+    with js.kernels.disabled():
+        report = js.kernels.explain(js.embedding_bag, table, ids)
+        xla = js.embedding_bag(table, ids)
+    assert not report.native
+    assert js.kernels.explain(js.embedding_bag, table, ids).native
+    np.testing.assert_allclose(js.embedding_bag(table, ids), xla, **TOL)
+
+
+@needs
+def test_the_switch_is_per_thread():
+    params, ids, y = _problem(3)
+    state = TX.init(params)
+    step = jax.jit(_step)
+    seen = {}
+    inside, done = threading.Event(), threading.Event()
+
+    def other_thread():
+        inside.wait()
+        seen["calls"] = _custom_calls(step, params, state, ids, y)
+        done.set()
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    with js.kernels.disabled():
+        inside.set()
+        assert done.wait(120)
+        assert _custom_calls(step, params, state, ids, y) == 0
+    t.join()
+    assert seen["calls"] > 0
+
+
+@needs
+def test_nested_disabled_restores_the_outer_state():
+    table, ids = jnp.ones((4, 2)), jnp.array([[1, 2]])
+    with js.kernels.disabled():
+        with js.kernels.disabled():
+            pass
+        assert not js.kernels.explain(js.embedding_bag, table, ids).native
+    assert js.kernels.explain(js.embedding_bag, table, ids).native
+
+
+def test_the_package_cites_only_docs_that_exist():
+    """help(jaxslices.kernels) once cited a docs page that did not exist."""
+    cited = set()
+    for path in [
+        *ROOT.joinpath("jaxslices").rglob("*.py"),
+        *ROOT.glob("tests/**/*.py"),
+    ]:
+        cited |= set(re.findall(r"\bdocs/[A-Za-z0-9_]+\.md\b", path.read_text()))
+    missing = sorted(c for c in cited if not (ROOT / c).exists())
+    assert cited and not missing, missing
