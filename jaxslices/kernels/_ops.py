@@ -408,6 +408,8 @@ def _recipe_args(recipe: Recipe) -> tuple[list[Any], dict[str, bool]]:
 
 def _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length):
     n = ids.shape[0]
+    if n == 0:  # no slots (ids [B, 0] of a recipe whose src is [B, R])
+        return jnp.zeros((0, src.shape[1]), src.dtype)
     return Recipe(
         src,
         bag if has_bag else None,
@@ -510,14 +512,9 @@ def rowwise(
     rule's output rows (rows past the count unspecified); the number of
     distinct ids (may exceed ``capacity``: the caller raises, and then the
     state is unchanged); the squared norm of the summed rows (``want_sumsq``).
-    No ids (``N = 0``): nothing to sum, the state as it was, no kernel.
+    No ids (``N = 0``): nothing summed, the state as it was.
     """
     check_ids_dtype(ids, label or "rowwise")
-    if ids.shape[0] == 0:  # static: an empty gradient changes nothing
-        rows = jnp.zeros((capacity, recipe.src.shape[1]), jnp.float32)
-        uids = jnp.full((capacity,), num_rows, ids.dtype)
-        zero_count, zero_sumsq = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
-        return (state if spec.uses_state else None), uids, rows, zero_count, zero_sumsq
     args, present = _recipe_args(recipe)
     hp_arr = jnp.stack([_f32(h) for h in hp]) if len(hp) else _NONE_F32
     p_arr = params if spec.uses_params else _NONE_F32
@@ -605,8 +602,6 @@ def apply(
     what the XLA path computes (a scatter-add). No ids: the table as it was.
     """
     check_ids_dtype(ids, label or "apply")
-    if ids.shape[0] == 0:  # static: an empty update changes nothing
-        return table
     args, present = _recipe_args(recipe)
     (out,) = _APPLY.bind(
         table,

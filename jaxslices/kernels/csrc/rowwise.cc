@@ -182,7 +182,7 @@ static inline void ApplyRule(Rule rule, const Ctx& c, float* g, float* st,
         // NaN wins, as jnp.max (std::fmax would drop it).
         for (int64_t k = 0; k < R; ++k) {
           float a = std::fabs(st[k]);
-          if (!(a <= norm)) norm = a;
+          if (a > norm || std::isnan(a)) norm = a;  // NaN stays
         }
       } else if (p_type == 2.f) {
         norm = std::sqrt(SumSquares(st, R));
