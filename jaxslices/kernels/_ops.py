@@ -594,12 +594,12 @@ def apply(
 ) -> jax.Array:
     """``table`` ``[V, *row]`` plus the recipe's rows at ``ids``, in place.
 
-    With ``sum_duplicates`` the rows of one id are summed before the row is
-    written (each distinct row read and written once). Off by default: for
-    an uncoalesced update (plain SGD's) adding each id's row in turn was
-    measured faster (0.16 vs 0.34 ms for 16,384 Zipf ids at V = 1M: the hash
-    costs more than the repeated writes to hot, cached rows save), and it is
-    what the XLA path computes (a scatter-add). No ids: the table as it was.
+    Each slot's row is added in turn, as the XLA path's scatter-add does
+    (plain SGD's update on both paths). With ``sum_duplicates`` the rows of
+    one id are summed first and each distinct row is written once: more
+    accurate under heavy duplicates, slower (the hash pass over the ids);
+    both measured in docs/kernels.md ("Plain SGD adds each id's row to the
+    table in turn"). No ids: the table as it was.
     """
     check_ids_dtype(ids, label or "apply")
     args, present = _recipe_args(recipe)
