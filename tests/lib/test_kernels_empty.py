@@ -9,13 +9,11 @@ feature that has no ids. ``explain`` reports the native path for each.
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from helpers import kernel_optimizers, on_both_paths
 
 import jaxslices as js
 
@@ -23,22 +21,7 @@ pytestmark = pytest.mark.skipif(
     not js.kernels.available(), reason=f"needs the kernels: {js.kernels.status()}"
 )
 
-OPTIMIZERS = {
-    "sgd": lambda: js.sgd(0.1),
-    "adagrad": lambda: js.adagrad(0.1),
-    "rowwise_adagrad": lambda: js.rowwise_adagrad(0.1),
-    "lazy_adam": lambda: js.lazy_adam(0.01),
-    "lazy_adamw": lambda: js.lazy_adamw(0.01, weight_decay=0.1),
-    "ftrl": lambda: js.ftrl(0.1, l1=0.01, l2=0.01),
-    "add_decayed_weights": lambda: optax.chain(
-        js.add_decayed_weights(0.1), js.sgd(0.1)
-    ),
-    "clip_by_global_norm": lambda: optax.chain(
-        js.clip_by_global_norm(1.0), js.lazy_adam(0.01)
-    ),
-    "clip_by_row_norm": lambda: optax.chain(js.clip_by_row_norm(0.5), js.ftrl(0.1)),
-    "clip": lambda: optax.chain(js.clip(0.1), js.lazy_adam(0.01)),
-}
+OPTIMIZERS = kernel_optimizers()
 
 TABLE = jnp.asarray(np.random.default_rng(0).normal(size=(12, 4)), jnp.float32)
 
@@ -76,18 +59,17 @@ def _loss(p, full, empty):
     return jnp.mean((h @ p["w"] - 1.0) ** 2)
 
 
-def _train(tx, params, full, empty, *, native):
-    def step(p, s):
-        g = js.grad(_loss)(p, full, empty)
-        u, s = tx.update(g, s, p)
+def _step(tx, loss=_loss):
+    def step(p, s, *data):
+        u, s = tx.update(js.grad(loss)(p, *data), s, p)
         return js.apply_updates(p, u), s
 
-    p, s = params, tx.init(params)
-    with contextlib.nullcontext() if native else js.kernels.disabled():
-        step = jax.jit(step)
-        for _ in range(3):
-            p, s = step(p, s)
-    return p, s
+    return step
+
+
+def _assert_close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -98,11 +80,9 @@ def test_a_step_with_a_feature_without_slots(name, full_shape):
     params = {"emb": TABLE, "w": jnp.ones(4)}
     full = jnp.asarray(rng.integers(0, 6, size=full_shape), jnp.int32)
     empty = jnp.zeros((4, 0), jnp.int32)
-    tx = OPTIMIZERS[name]()
-    native = _train(tx, params, full, empty, native=True)
-    xla = _train(tx, params, full, empty, native=False)
-    for a, b in zip(jax.tree.leaves(native), jax.tree.leaves(xla), strict=True):
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    tx = OPTIMIZERS[name]
+    native, xla = on_both_paths(_step(tx), params, tx.init(params), full, empty)
+    _assert_close(native, xla)
     untouched = np.setdiff1d(np.arange(12), np.asarray(full).ravel())
     np.testing.assert_array_equal(native[0]["emb"][untouched], TABLE[untouched])
     init = jax.tree.leaves(tx.init(params))
@@ -112,11 +92,7 @@ def test_a_step_with_a_feature_without_slots(name, full_shape):
             if np.ndim(new) >= 1 and np.shape(new)[0] == 12:
                 np.testing.assert_array_equal(new, old)
 
-    def step(p, s):
-        u, s = tx.update(js.grad(_loss)(p, full, empty), s, p)
-        return js.apply_updates(p, u), s
-
-    report = js.kernels.explain(step, params, tx.init(params))
+    report = js.kernels.explain(_step(tx), params, tx.init(params), full, empty)
     assert report.native, str(report)
 
 
@@ -146,16 +122,16 @@ def test_flax_nnx_and_equinox_bags_without_slots():
     emb = jse.EmbeddingBag(20, 4, key=jax.random.key(0))
     tx = js.ftrl(0.1)
 
-    @eqx.filter_jit
-    def eqx_step(m, st, ids):
-        g = jse.filter_grad(lambda m, ids: jnp.sum(m(ids) ** 2))(m, ids)
-        u, st = tx.update(g, st, m)
+    def eqx_update(m, st, ids):  # the layer's own gradient entry and update
+        u, st = tx.update(jse.filter_grad(lambda m, i: m(i).sum())(m, ids), st, m)
         return jse.apply_updates(m, u), st
 
-    st = tx.init(eqx.filter(emb, eqx.is_array))
-    assert js.kernels.explain(eqx_step, emb, st, ids).native
-    new, _ = eqx_step(emb, st, ids)
+    state = tx.init(eqx.filter(emb, eqx.is_array))
+    assert js.kernels.explain(eqx.filter_jit(eqx_update), emb, state, ids).native
+    new, new_state = eqx.filter_jit(eqx_update)(emb, state, ids)
     np.testing.assert_array_equal(new.weight, emb.weight)
+    np.testing.assert_array_equal(new_state.n_z.weight, state.n_z.weight)
+    assert int(new_state.count) == 1  # the step counted; no row changed
 
 
 @pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad", "clip"])
@@ -174,23 +150,16 @@ def test_a_collection_with_a_feature_without_ids(name):
     jagged = js.KeyedJaggedIds.from_lists(
         {"a": [[1, 2], [3]], "b": [[], []]}, max_total=4
     )
-    tx = OPTIMIZERS[name]()
+    tx = OPTIMIZERS[name]
 
     def loss(p, feats):
         return jnp.mean((coll.concat(p["emb"], feats) @ p["w"] - 1.0) ** 2)
 
-    def step(p, s, feats):
-        u, s = tx.update(js.grad(loss)(p, feats), s, p)
-        return js.apply_updates(p, u), s
-
     for feats in (padded, jagged):
         out = coll(params["emb"], feats)
         np.testing.assert_array_equal(out["b"], np.zeros((2, 4)))
-        native = jax.jit(step)(params, tx.init(params), feats)
-        with js.kernels.disabled():
-            xla = jax.jit(lambda p, s, f: step(p, s, f))(params, tx.init(params), feats)
-        for a, b in zip(jax.tree.leaves(native), jax.tree.leaves(xla), strict=True):
-            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+        step = _step(tx, loss)
+        _assert_close(*on_both_paths(step, params, tx.init(params), feats))
         assert js.kernels.explain(step, params, tx.init(params), feats).native
 
 

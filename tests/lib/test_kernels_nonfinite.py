@@ -9,13 +9,12 @@ is the reference (Adagrad on the dense equivalent), native equals it too.
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import kernel_optimizers, on_both_paths
 
 import jaxslices as js
 
@@ -25,30 +24,8 @@ pytestmark = pytest.mark.skipif(
     not js.kernels.available(), reason=f"needs the kernels: {js.kernels.status()}"
 )
 
-OPTIMIZERS = {
-    "sgd": lambda: js.sgd(0.1),
-    "sgd_momentum": lambda: js.sgd(0.1, 0.9),
-    "sgd_nesterov": lambda: js.sgd(0.1, 0.9, nesterov=True),
-    "adagrad": lambda: js.adagrad(0.1),
-    "decay_adagrad": lambda: optax.chain(js.add_decayed_weights(0.1), js.adagrad(0.1)),
-    "rowwise_adagrad": lambda: js.rowwise_adagrad(0.1),
-    "lazy_adam": lambda: js.lazy_adam(0.01),
-    "lazy_adam_nesterov": lambda: js.lazy_adam(0.01, nesterov=True),
-    "lazy_adamw": lambda: js.lazy_adamw(0.01, weight_decay=0.1),
-    "ftrl": lambda: js.ftrl(0.1, l1=0.01, l2=0.01, l2_shrinkage=0.01, beta=0.1),
-    "ftrl_power": lambda: js.ftrl(0.1, learning_rate_power=-0.3, l1=0.001),
-    "add_decayed_weights": lambda: optax.chain(
-        js.add_decayed_weights(0.1), js.sgd(0.1)
-    ),
-    "clip_by_global_norm": lambda: optax.chain(
-        js.clip_by_global_norm(1.0), js.sgd(0.1)
-    ),
-    "clip_by_global_norm_adagrad": lambda: optax.chain(
-        js.clip_by_global_norm(1.0), js.adagrad(0.1)
-    ),
-    "clip_by_row_norm": lambda: optax.chain(js.clip_by_row_norm(0.5), js.sgd(0.1)),
-    "clip": lambda: optax.chain(js.clip(0.1), js.lazy_adam(0.01)),
-}
+
+OPTIMIZERS = kernel_optimizers()
 
 CASES = ["nan", "inf", "-inf", "inf_times_zero_weight", "inf_in_table"]
 V, D, B, L = 16, 4, 5, 3
@@ -88,18 +65,15 @@ def _loss(p, ids, weights, c):
     return jnp.sum(h * c) + jnp.sum(p["w"] ** 2)
 
 
-def _train(tx, params, *data, native):
+def _step(tx, grad=None):
+    """A training step of ``_loss`` (or of the fixed gradient ``grad``)."""
+
     def step(p, s, *data):
-        g = js.grad(_loss)(p, *data)
+        g = js.grad(_loss)(p, *data) if grad is None else grad
         u, s = tx.update(g, s, p)
         return js.apply_updates(p, u), s
 
-    p, s = params, tx.init(params)
-    with contextlib.nullcontext() if native else js.kernels.disabled():
-        step = jax.jit(step)
-        for _ in range(3):
-            p, s = step(p, s, *data)
-    return p, s
+    return step
 
 
 def _assert_same_nonfinite(a, b):
@@ -116,18 +90,13 @@ def _assert_same_nonfinite(a, b):
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_every_rule_with_nan_and_inf_native_equals_xla(name, case):
     params, *data = _case(case)
-    tx = OPTIMIZERS[name]()
-    native = _train(tx, params, *data, native=True)
-    xla = _train(tx, params, *data, native=False)
+    tx = OPTIMIZERS[name]
+    native, xla = on_both_paths(_step(tx), params, tx.init(params), *data)
     _assert_same_nonfinite(native, xla)
     grad = js.to_dense(js.grad(_loss)(params, *data)["emb"])
     assert not np.isfinite(np.asarray(grad)).all() or case == "inf_in_table"
-
-    def step(p, s, *data):
-        u, s = tx.update(js.grad(_loss)(p, *data), s, p)
-        return js.apply_updates(p, u), s
-
-    assert js.kernels.explain(step, params, tx.init(params), *data).native
+    report = js.kernels.explain(_step(tx), params, tx.init(params), *data)
+    assert report.native, str(report)
 
 
 @pytest.mark.parametrize("case", ["nan", "inf", "-inf"])
@@ -141,33 +110,21 @@ def test_plain_slices_with_nan_and_inf(name, case):
         jnp.asarray(values), jnp.array([3, 3, 5, V, 0, 5], jnp.int32), (V, D)
     )
     params = jnp.ones((V, D), jnp.float32)
-    tx = OPTIMIZERS[name]()
-
-    def run(native):
-        def step(p, s):
-            u, s = tx.update(g, s, p)
-            return js.apply_updates(p, u), s
-
-        p, s = params, tx.init(params)
-        with contextlib.nullcontext() if native else js.kernels.disabled():
-            step = jax.jit(step)
-            for _ in range(3):
-                p, s = step(p, s)
-        return p, s
-
-    _assert_same_nonfinite(run(True), run(False))
+    tx = OPTIMIZERS[name]
+    _assert_same_nonfinite(*on_both_paths(_step(tx, g), params, tx.init(params)))
 
 
 @pytest.mark.parametrize("case", ["nan", "inf"])
 def test_native_adagrad_with_nan_and_inf_equals_optax(case):
     """Adagrad is exact: the sparse native step equals optax.adagrad densely."""
     params, *data = _case(case)
-    native, _ = _train(js.adagrad(0.1), params, *data, native=True)
-    tx = optax.adagrad(0.1)
-    p, s = params, tx.init(params)
+    tx = js.adagrad(0.1)
+    (native, _), _ = on_both_paths(_step(tx), params, tx.init(params), *data)
+    dense = optax.adagrad(0.1)
+    p, s = params, dense.init(params)
     for _ in range(3):
         g = jax.grad(lambda p: _loss(p, *data))(p)  # dense: JAX's own gradient
-        u, s = tx.update(g, s, p)
+        u, s = dense.update(g, s, p)
         p = optax.apply_updates(p, u)
     _assert_same_nonfinite(native, p)
     assert np.isnan(np.asarray(native["emb"])).any()
