@@ -1015,7 +1015,8 @@ def _scatter_add(x: Any, s: IndexedSlices, where: str) -> jax.Array:
 
     On the native path (:mod:`jaxslices.kernels`) a kernel adds the rows in
     place, reading a bag's pooled gradient directly when the slices carry
-    it, and summing the rows of duplicate ids before writing each row once.
+    it, and adding each id's row in turn, as XLA's scatter-add does
+    (docs/kernels.md, "Plain SGD adds each id's row to the table in turn").
     """
     # Coalesced slices (distinct valid ids; padding is out of bounds, so
     # dropped) promise XLA unique (and maybe sorted) indices: a cheaper scatter.

@@ -94,6 +94,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "2026-11-cpu-native/dlrm_bench_cpu_xla.json",
     ),
     "kernels-soak": ("2026-11-cpu-native/soak_bench_cpu.json",),
+    "kernels-sgd-duplicates": ("2026-11-cpu-native/sgd_duplicates_bench_cpu.json",),
     "donation": (
         "2026-11-cpu-donation/step_bench_cpu.json",
         "2026-11-cpu-donation-rerun/step_bench_cpu.json",
@@ -950,6 +951,30 @@ def kernels_soak() -> str:
     )
 
 
+def kernels_sgd_duplicates() -> str:
+    """docs/kernels.md: SGD's update, duplicates added in turn or summed first."""
+    (name,) = SOURCES["kernels-sgd-duplicates"]
+    d = load(name)
+    env, w, ms = d["environment"], d["workload"], d["ms"]
+    acc = d["accuracy_1000_duplicates_of_minus_1e-8_on_1"]
+    turn, summed = ms["in_turn"]["median_ms"], ms["summed_first"]["median_ms"]
+    return (
+        f"`benchmarks/results/{name}`: {env['nproc']} CPU cores ({env['cpu']}), "
+        f"jax {env['jax']}, load average (1 min) {env['load_avg_1m']:.1f} to "
+        f"{env['load_avg_1m_end']:.1f}; V = {w['num_rows']:,} x {w['dim']} float32 "
+        f"(donated), {w['batch']} bags x {w['bag']} zipf({w['zipf']}) ids per "
+        f"update ({w['mean_distinct_ids']:,.0f} distinct on average); medians of "
+        f"{ms['in_turn']['steps_timed']} updates each, interleaved.\n\n"
+        "| the apply kernel | median ms per update | 1.0 after 1,000 duplicates "
+        "of -1e-8 (exact: 0.99999) |\n| --- | --- | --- |\n"
+        f"| each id's row added in turn | {turn:.3f} | {acc['in_turn']:.6f} |\n"
+        f"| duplicates summed first | {summed:.3f} | {acc['summed_first']:.6f} |\n\n"
+        f"Summing first takes {summed / turn:.2f}x the time of adding in turn. "
+        "Command: `python benchmarks/sgd_duplicates_bench.py --passes "
+        f"{w['passes']} --out benchmarks/results/2026-11-cpu-native`.\n"
+    )
+
+
 def results_sources() -> str:
     """benchmarks/results/README.md: which run each generated block quotes."""
     lines = ["| block | quoted in | results files |", "| --- | --- | --- |"]
@@ -965,6 +990,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "readme-kernels": readme_kernels,
     "kernels-dlrm": kernels_dlrm,
     "kernels-soak": kernels_soak,
+    "kernels-sgd-duplicates": kernels_sgd_duplicates,
     "kernels-peers": kernels_peers,
     "kernels-floor": kernels_floor,
     "collections-dlrm": collections_dlrm,

@@ -43,11 +43,15 @@ import jax
 __all__ = ["KernelsUnavailableWarning", "load", "status", "library_path"]
 
 SOURCES = ("common.h", "bag.cc", "rowwise.cc", "apply.cc")
-# FFI target name -> exported handler symbol.
+# FFI target name -> exported handler symbol: each kernel once per ids dtype.
 TARGETS = {
-    "jaxslices_bag_forward": "JaxslicesBagForward",
-    "jaxslices_rowwise": "JaxslicesRowwise",
-    "jaxslices_apply": "JaxslicesApply",
+    f"jaxslices_{kernel}_{ids}": f"Jaxslices{symbol}{ids.upper()}"
+    for kernel, symbol in (
+        ("bag_forward", "BagForward"),
+        ("rowwise", "Rowwise"),
+        ("apply", "Apply"),
+    )
+    for ids in ("s32", "s64")
 }
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 

@@ -31,6 +31,7 @@ kernel at all is decided by :mod:`jaxslices.kernels._path`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -41,130 +42,58 @@ import numpy as np
 
 from .. import _coalesce, _jax_compat, _strict
 from .._recipe import Recipe, flat_rows
-from . import _build
-
-# Flags of the kernels' "flags" attribute (csrc/common.h).
-HAS_BAG = 1
-HAS_WEIGHT = 2
-COALESCED = 4
-WANT_SUMSQ = 8
-NESTEROV = 16
-SQRT_POWER = 32
-SUM_DUPLICATES = 64
-HAS_SCALE = 128
-
-# Rules of the row-wise kernel (csrc/rowwise.cc).
-RULES = {
-    "coalesce": 0,
-    "clip": 1,
-    "row_norm": 2,
-    "rss": 3,
-    "rowwise_rss": 4,
-    "adam": 5,
-    "trace": 6,
-    "decay": 7,
-    "ftrl": 8,
-    "max_norm": 9,
-}
+from ._primitive import NativeOp, check_ids_dtype
 
 # ---------------------------------------------------- the primitive seam
+
+
+class Rule(enum.IntEnum):
+    """The row-wise kernel's rules: its ``rule`` attribute (an enum in C++).
+
+    The same names and numbers as ``enum class Rule`` in ``csrc/rowwise.cc``
+    (``tests/lib/test_kernels_boundary.py`` reads it); the kernel checks each
+    rule's hyperparameter count and state width.
+    """
+
+    COALESCE = 0
+    CLIP = 1
+    ROW_NORM = 2
+    RSS = 3
+    ROWWISE_RSS = 4
+    ADAM = 5
+    TRACE = 6
+    DECAY = 7
+    FTRL = 8
+    MAX_NORM = 9
 
 
 def _f32(x: Any) -> jax.Array:
     return jnp.asarray(x, jnp.float32)
 
 
-_DUMMY_I32 = np.zeros((1,), np.int32)
-_DUMMY_F32 = np.zeros((1,), np.float32)
-
-
-class NativeOp:
-    """A primitive: a C++ kernel on CPU, its XLA reference everywhere else."""
-
-    def __init__(
-        self,
-        name: str,
-        target: str,
-        reference: Callable[..., list[jax.Array]],
-        abstract: Callable[..., list[Any]],
-        aliases: dict[int, int],
-        attrs: tuple[str, ...],
-        jvp: Callable[..., Any] | None = None,
-    ):
-        self.name, self.target = name, target
-        self.reference, self.aliases, self.attrs = reference, aliases, attrs
-        if not _jax_compat.AVAILABLE["ffi_primitive"]:  # pragma: no cover
-            self.prim = None
-            return
-        p = _jax_compat.Primitive(name)
-        p.multiple_results = True
-        p.def_abstract_eval(lambda *avals, **params: abstract(*avals, **params))
-        p.def_impl(self._impl)
-        mlir = _jax_compat.mlir
-        mlir.register_lowering(
-            p, mlir.lower_fun(self._reference, multiple_results=True)
-        )
-        mlir.register_lowering(p, self._cpu_lowering, platform="cpu")
-        _jax_compat.primitive_batchers[p] = self._batch
-        _jax_compat.primitive_jvps[p] = jvp or self._jvp
-        self.prim = p
-
-    def bind(self, *args: Any, **params: Any) -> list[jax.Array]:
-        return self.prim.bind(*args, **params)
-
-    def _reference(self, *args: Any, **params: Any) -> list[jax.Array]:
-        return self.reference(*args, **params)
-
-    @functools.cached_property
-    def _jitted(self) -> Callable[..., Any]:
-        @functools.lru_cache(maxsize=256)
-        def compiled(items):
-            params = dict(items)
-            return jax.jit(lambda *a: self.prim.bind(*a, **params))
-
-        return compiled
-
-    def _impl(self, *args: Any, **params: Any) -> list[jax.Array]:
-        # Eager use: compile the primitive alone (lowered like any other).
-        return self._jitted(tuple(sorted(params.items())))(*args)
-
-    def _cpu_lowering(self, ctx: Any, *operands: Any, **params: Any) -> Any:
-        per_device = _jax_compat.lowering_is_per_device(ctx)
-        if params["fallback"] is None and per_device and _build.load():
-            attrs = {k: np.int64(params[k]) for k in self.attrs}
-            rule = jax.ffi.ffi_lowering(
-                self.target, operand_output_aliases=dict(self.aliases)
-            )
-            return rule(ctx, *operands, **attrs)
-        ref = _jax_compat.mlir.lower_fun(self._reference, multiple_results=True)
-        return ref(ctx, *operands, **params)
-
-    def _batch(self, args: Any, dims: Any, **params: Any) -> Any:
-        fun = functools.partial(self.reference, **params)
-        out = jax.vmap(lambda *a: tuple(fun(*a)), in_axes=tuple(dims))(*args)
-        return list(out), [0] * len(out)
-
-    def _jvp(self, primals: Any, tangents: Any, **params: Any) -> Any:
-        tangents = [_jax_compat.instantiate_zeros(t) for t in tangents]
-        fun = functools.partial(self.reference, **params)
-        out, t_out = jax.jvp(lambda *a: tuple(fun(*a)), tuple(primals), tuple(tangents))
-        return list(out), list(t_out)
+# An absent optional operand (no bag, no weights, no hyperparameters, no
+# state): an empty array, with the has_* attribute saying it is absent.
+_NONE_I32 = np.zeros((0,), np.int32)
+_NONE_F32 = np.zeros((0,), np.float32)
 
 
 # ------------------------------------------------------------ forward bag
 
 
-def _bag_reference(table, ids, bag, weight, scale, *, flags, length, num_bags, **_):
+def _bag_reference(
+    table, ids, bag, weight, scale, *, has_bag, has_weight, has_scale, length,
+    num_bags, **_,
+):  # fmt: skip
     row_shape = table.shape[1:]
     rows = flat_rows(table.at[ids].get(mode="fill", fill_value=0))
-    if flags & HAS_WEIGHT:
+    if has_weight:
         rows = rows * weight[:, None]
-    if length > 0:
-        total = jnp.sum(rows.reshape(num_bags, length, rows.shape[1]), axis=1)
-    else:
+    if has_bag:
         out = jnp.zeros((num_bags, rows.shape[1]), rows.dtype)
         total = out.at[bag].add(rows, mode="drop")
-    if flags & HAS_SCALE:
+    else:  # padded bags (length 0: no slots, every bag empty)
+        total = jnp.sum(rows.reshape(num_bags, length, rows.shape[1]), axis=1)
+    if has_scale:
         total = total * scale[:, None]
     return [total.reshape((num_bags, *row_shape))]
 
@@ -197,11 +126,16 @@ def _bag_jvp(primals, tangents, **params):
 
 _BAG = NativeOp(
     "jaxslices_bag_forward",
-    "jaxslices_bag_forward",
     _bag_reference,
     _bag_abstract,
     aliases={},
-    attrs=("flags", "length"),
+    attrs={
+        "has_bag": np.bool_,
+        "has_weight": np.bool_,
+        "has_scale": np.bool_,
+        "length": np.int64,
+    },
+    ids_operand=1,
     jvp=_bag_jvp,
 )
 
@@ -222,28 +156,32 @@ def bag_forward(
     """``out[b] = scale[b] * sum_{s in b} weight[s] * table[ids[s]]``.
 
     ``table`` ``[V, *row]`` float32 (out: ``[B, *row]``); ``ids`` ``[N]``
-    (an id outside ``[0, V)`` adds nothing); bags padded (``length`` slots
-    each, ``N = B * length``) or given per slot (``bag``; ``num_bags`` marks
-    an unused slot). Differentiable in ``table``
-    (densely, as JAX's gather), ``weight`` and ``scale``.
+    int32 or int64 (an id outside ``[0, V)`` reads a row of zeros); bags
+    padded (``length`` slots each, ``N = B * length``; ``length`` 0: no
+    slots, every bag empty, zeros) or given per slot (``bag``; ``num_bags``
+    marks an unused slot). Differentiable in ``table`` (densely, as JAX's
+    gather), ``weight`` and ``scale``.
 
     ``dense_check``: a dense gradient of the table asks strict mode first
     (``strict``: the lookup's own switch), as the XLA lookups do; the tape's
     own lookups (whose table an outer transformation may differentiate)
     pass ``False``.
     """
-    flags = (HAS_WEIGHT if weight is not None else 0) | (
-        HAS_SCALE if scale is not None else 0
-    )
-    if bag is not None:
-        flags |= HAS_BAG
+    check_ids_dtype(ids, label)
+    if bag is None and ids.shape[0] != num_bags * length:
+        raise ValueError(
+            f"{label}: {ids.shape[0]} ids for {num_bags} padded bags of "
+            f"{length} slots (expected {num_bags * length})."
+        )
     out = _BAG.bind(
         table,
         ids,
-        _DUMMY_I32 if bag is None else bag,
-        _DUMMY_F32 if weight is None else weight,
-        _DUMMY_F32 if scale is None else scale,
-        flags=flags,
+        _NONE_I32 if bag is None else bag,
+        _NONE_F32 if weight is None else weight,
+        _NONE_F32 if scale is None else scale,
+        has_bag=bag is not None,
+        has_weight=weight is not None,
+        has_scale=scale is not None,
         length=int(length),
         num_bags=int(num_bags),
         fallback=None,
@@ -265,6 +203,10 @@ class RuleSpec:
     ``[K, R]`` rows (``state_rows``/``new_state_rows`` ``[K, S]`` or ``None``,
     ``p_rows`` ``[K, R]`` or ``None``); ``hp`` the hyperparameters as a
     float32 vector (traced values welcome: schedules); ``cfg`` static.
+    ``kind`` names the kernel's rule (:class:`Rule`, lower case), which
+    checks the number of hyperparameters and the state's row width;
+    ``nesterov`` (``trace``, ``adam``) and ``sqrt_power`` (``ftrl``: the
+    power is 0.5) are the rules' two options.
     """
 
     kind: str
@@ -272,37 +214,44 @@ class RuleSpec:
     cfg: Any = None
     uses_state: bool = False
     uses_params: bool = False
-    flags: int = 0
+    nesterov: bool = False
+    sqrt_power: bool = False
+
+    @property
+    def rule(self) -> Rule:
+        return Rule[self.kind.upper()]
 
 
-def _recipe_args(recipe: Recipe) -> tuple[list[Any], int]:
-    flags = 0
-    bag = _DUMMY_I32
-    if recipe.bag is not None:
-        bag, flags = recipe.bag, flags | HAS_BAG
-    weight = _DUMMY_F32
-    if recipe.weight is not None:
-        weight, flags = recipe.weight, flags | HAS_WEIGHT
+def _recipe_args(recipe: Recipe) -> tuple[list[Any], dict[str, bool]]:
+    """The recipe as operands ``[src, bag, weight, scale]`` and its has_* flags."""
+    bag = _NONE_I32 if recipe.bag is None else recipe.bag
+    weight = _NONE_F32 if recipe.weight is None else recipe.weight
     scale = jnp.ones((), jnp.float32) if recipe.scale is None else _f32(recipe.scale)
-    return [recipe.src, bag, weight, scale], flags
+    present = {
+        "has_bag": recipe.bag is not None,
+        "has_weight": recipe.weight is not None,
+    }
+    return [recipe.src, bag, weight, scale], present
 
 
-def _materialize(src, ids, bag, weight, scale, flags, length):
+def _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length):
     n = ids.shape[0]
+    if n == 0:  # no slots (ids [B, 0] of a recipe whose src is [B, R])
+        return jnp.zeros((0, src.shape[1]), src.dtype)
     return Recipe(
         src,
-        bag if flags & HAS_BAG else None,
+        bag if has_bag else None,
         length,
-        weight if flags & HAS_WEIGHT else None,
+        weight if has_weight else None,
         scale,
     ).values(n)
 
 
 def _rowwise_reference(
-    src, ids, bag, weight, scale, hp, params, state, *, flags, length, num_rows,
-    capacity, spec, **_,
+    src, ids, bag, weight, scale, hp, params, state, *, has_bag, has_weight,
+    length, num_rows, capacity, spec, **_,
 ):  # fmt: skip
-    values = _materialize(src, ids, bag, weight, scale, flags, length)
+    values = _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length)
     safe = jnp.where((ids >= 0) & (ids < num_rows), ids, num_rows).astype(ids.dtype)
     summed, uids, count = _coalesce.coalesce_rows(
         values, safe, num_rows, "auto", capacity
@@ -346,11 +295,21 @@ def _rowwise_abstract(
 
 _ROWWISE = NativeOp(
     "jaxslices_rowwise",
-    "jaxslices_rowwise",
     _rowwise_reference,
     _rowwise_abstract,
     aliases={7: 0},
-    attrs=("rule", "flags", "length", "num_rows", "uses_state", "uses_params"),
+    attrs={
+        "rule": np.int32,
+        "has_bag": np.bool_,
+        "has_weight": np.bool_,
+        "coalesced": np.bool_,
+        "want_sumsq": np.bool_,
+        "nesterov": np.bool_,
+        "sqrt_power": np.bool_,
+        "length": np.int64,
+        "num_rows": np.int64,
+    },
+    ids_operand=1,
 )
 
 
@@ -381,16 +340,13 @@ def rowwise(
     rule's output rows (rows past the count unspecified); the number of
     distinct ids (may exceed ``capacity``: the caller raises, and then the
     state is unchanged); the squared norm of the summed rows (``want_sumsq``).
+    No ids (``N = 0``): nothing summed, the state as it was.
     """
-    args, flags = _recipe_args(recipe)
-    flags |= spec.flags
-    if coalesced:
-        flags |= COALESCED
-    if want_sumsq:
-        flags |= WANT_SUMSQ
-    hp_arr = jnp.stack([_f32(h) for h in hp]) if len(hp) else _DUMMY_F32
-    p_arr = params if spec.uses_params else np.zeros((1,), np.float32)
-    s_arr = state if spec.uses_state else np.zeros((1,), np.float32)
+    check_ids_dtype(ids, label or "rowwise")
+    args, present = _recipe_args(recipe)
+    hp_arr = jnp.stack([_f32(h) for h in hp]) if len(hp) else _NONE_F32
+    p_arr = params if spec.uses_params else _NONE_F32
+    s_arr = state if spec.uses_state else _NONE_F32
     st, uids, rows, count, sumsq = _ROWWISE.bind(
         *args[:1],
         ids,
@@ -398,13 +354,15 @@ def rowwise(
         hp_arr,
         p_arr,
         s_arr,
-        rule=RULES[spec.kind],
-        flags=flags,
+        rule=spec.rule,
+        **present,
+        coalesced=bool(coalesced),
+        want_sumsq=bool(want_sumsq),
+        nesterov=bool(spec.nesterov),
+        sqrt_power=bool(spec.sqrt_power),
         length=int(recipe.length),
         num_rows=int(num_rows),
         capacity=int(capacity),
-        uses_state=int(spec.uses_state),
-        uses_params=int(spec.uses_params),
         spec=spec,
         fallback=None,
         label=label,
@@ -419,14 +377,16 @@ NATIVE_OPS = frozenset(
 )
 
 
-def _apply_reference(table, src, ids, bag, weight, scale, *, flags, length, **_):
-    values = _materialize(src, ids, bag, weight, scale, flags, length)
+def _apply_reference(
+    table, src, ids, bag, weight, scale, *, has_bag, has_weight, coalesced,
+    length, **_,
+):  # fmt: skip
+    values = _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length)
     values = values.reshape((-1, *table.shape[1:]))
     num_rows = table.shape[0]
     safe = jnp.where((ids >= 0) & (ids < num_rows), ids, num_rows)
-    unique = bool(flags & COALESCED)
     out = table.at[safe].add(
-        values.astype(table.dtype), mode="drop", unique_indices=unique
+        values.astype(table.dtype), mode="drop", unique_indices=coalesced
     )
     return [out]
 
@@ -437,11 +397,17 @@ def _apply_abstract(table, *avals, **_):
 
 _APPLY = NativeOp(
     "jaxslices_apply",
-    "jaxslices_apply",
     _apply_reference,
     _apply_abstract,
     aliases={0: 0},
-    attrs=("flags", "length"),
+    attrs={
+        "has_bag": np.bool_,
+        "has_weight": np.bool_,
+        "coalesced": np.bool_,
+        "sum_duplicates": np.bool_,
+        "length": np.int64,
+    },
+    ids_operand=2,
 )
 
 
@@ -456,24 +422,23 @@ def apply(
 ) -> jax.Array:
     """``table`` ``[V, *row]`` plus the recipe's rows at ``ids``, in place.
 
-    With ``sum_duplicates`` the rows of one id are summed before the row is
-    written (each distinct row read and written once). Off by default: for
-    an uncoalesced update (plain SGD's) adding each id's row in turn was
-    measured faster (0.16 vs 0.34 ms for 16,384 Zipf ids at V = 1M: the hash
-    costs more than the repeated writes to hot, cached rows save), and it is
-    what the XLA path computes (a scatter-add).
+    Each slot's row is added in turn, as the XLA path's scatter-add does
+    (plain SGD's update on both paths). With ``sum_duplicates`` the rows of
+    one id are summed first and each distinct row is written once: more
+    accurate under heavy duplicates, slower (the hash pass over the ids);
+    both measured in docs/kernels.md ("Plain SGD adds each id's row to the
+    table in turn"). No ids: the table as it was.
     """
-    args, flags = _recipe_args(recipe)
-    if coalesced:
-        flags |= COALESCED
-    if sum_duplicates:
-        flags |= SUM_DUPLICATES
+    check_ids_dtype(ids, label or "apply")
+    args, present = _recipe_args(recipe)
     (out,) = _APPLY.bind(
         table,
         args[0],
         ids,
         *args[1:],
-        flags=flags,
+        **present,
+        coalesced=bool(coalesced),
+        sum_duplicates=bool(sum_duplicates),
         length=int(recipe.length),
         fallback=None,
         label=label,

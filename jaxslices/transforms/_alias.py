@@ -573,7 +573,7 @@ def ftrl(
         cfg=sqrt_power,
         uses_state=True,
         uses_params=True,
-        flags=kernel_ops.SQRT_POWER if sqrt_power else 0,
+        sqrt_power=bool(sqrt_power),
     )
 
     def init_fn(params):

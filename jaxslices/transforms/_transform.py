@@ -230,7 +230,7 @@ def trace(
         _trace_native,
         cfg=bool(nesterov),
         uses_state=True,
-        flags=kernel_ops.NESTEROV if nesterov else 0,
+        nesterov=bool(nesterov),
     )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -685,7 +685,7 @@ def scale_by_lazy_adam(
         _adam_native,
         cfg=bool(nesterov),
         uses_state=True,
-        flags=kernel_ops.NESTEROV if nesterov else 0,
+        nesterov=bool(nesterov),
     )
 
     def init_fn(params):

@@ -333,7 +333,7 @@ def test_donated_step_writes_table_and_state_in_place():
         compiled = step.lower(params, tx.init(params), ids, jnp.zeros(8)).compile()
         assert js.table_copies(compiled) == [], name
         text = compiled.as_text()
-        assert 'custom_call_target="jaxslices_apply"' in text, name
+        assert 'custom_call_target="jaxslices_apply_s32"' in text, name
         # No copy of anything with the table's rows (table or its state).
         copies = [
             line
@@ -398,7 +398,7 @@ def test_a_chain_sums_duplicates_once(name, kernels, hashed):
 
     eqns = _rowwise_eqns(step, params, tx.init(params), ids, y)
     assert len(eqns) == kernels
-    assert sum(not e["flags"] & _ops.COALESCED for e in eqns) == hashed
+    assert sum(not e["coalesced"] for e in eqns) == hashed
 
 
 # ---------------------------------------------------------- the forward bag
@@ -700,8 +700,8 @@ def test_apply_max_norm_native_equals_xla(norm_type):
 
     for x in (ids, bags):
         got = jax.jit(f)(table, x)
-        with _xla():
-            want = jax.jit(f)(table, x)
+        with _xla():  # a fresh trace (jit keeps the path of f's first trace)
+            want = jax.jit(lambda t, x: f(t, x))(table, x)
         np.testing.assert_allclose(got, want, **TOL)
     assert js.kernels.explain(f, table, ids).native
     report = js.kernels.explain(

@@ -444,3 +444,14 @@ def test_soak_bench_smoke(bench, tmp_path):
     saved = json.loads((tmp_path / "soak_bench_cpu.json").read_text())
     assert saved["table"] == report["table"]
     assert (tmp_path / "soak_bench_cpu.png").stat().st_size > 1000
+
+
+def test_sgd_duplicates_bench_smoke(bench, tmp_path):
+    report = bench("sgd_duplicates_bench").main(
+        num_rows=256, dim=4, batch=8, bag=4, num_batches=2, steps=2, passes=1,
+        out=str(tmp_path),
+    )  # fmt: skip
+    assert set(report["ms"]) == {"in_turn", "summed_first"}
+    accuracy = report["accuracy_1000_duplicates_of_minus_1e-8_on_1"]
+    assert accuracy["in_turn"] == 1.0 and accuracy["summed_first"] < 1.0
+    assert (tmp_path / "sgd_duplicates_bench_cpu.json").exists()

@@ -6,8 +6,8 @@
 
 namespace jaxslices {
 
-template <typename Id>
-static void Apply(const Recipe<Id>& r, float* table, int64_t num_rows,
+template <typename IdT>
+static void Apply(const Recipe<IdT>& r, float* table, int64_t num_rows,
                   bool sum_duplicates, bool coalesced) {
   const int64_t R = r.row;
   if (!sum_duplicates || coalesced) {
@@ -15,12 +15,12 @@ static void Apply(const Recipe<Id>& r, float* table, int64_t num_rows,
     for (int64_t s = 0; s < r.num_slots; ++s) {
       const float* x = rows_of.next();
       if (s + kPrefetch < r.num_slots) {
-        Id ahead = r.ids[s + kPrefetch];
+        IdT ahead = r.ids[s + kPrefetch];
         if (ahead >= 0 && ahead < num_rows) {
           PrefetchRow(table + static_cast<int64_t>(ahead) * R, R, true);
         }
       }
-      Id id = r.ids[s];
+      IdT id = r.ids[s];
       if (id < 0 || id >= num_rows) continue;
       if (!x) continue;
       Axpy(table + static_cast<int64_t>(id) * R, x, r.factor(s), R, false);
@@ -28,11 +28,11 @@ static void Apply(const Recipe<Id>& r, float* table, int64_t num_rows,
     return;
   }
   std::vector<float>& acc = ThreadScratch<float, kApplyRows>();
-  std::vector<Id>& uids = ThreadScratch<Id, kApplyIds>();
+  std::vector<IdT>& uids = ThreadScratch<IdT, kApplyIds>();
   if (static_cast<int64_t>(acc.size()) < r.num_slots * R) acc.resize(r.num_slots * R);
   if (static_cast<int64_t>(uids.size()) < r.num_slots) uids.resize(r.num_slots);
   int64_t total = 0;
-  Id* u = uids.data();
+  IdT* u = uids.data();
   float* rows = acc.data();
   // Each id's summed row is added to the table as soon as it is complete.
   auto add_row = [&](int64_t j) {
@@ -46,57 +46,51 @@ static void Apply(const Recipe<Id>& r, float* table, int64_t num_rows,
   Coalesce(r, num_rows, false, r.num_slots, rows, u, &total, add_row);
 }
 
-static ffi::Error ApplyImpl(ffi::AnyBuffer table, ffi::AnyBuffer src,
-                            ffi::AnyBuffer ids, ffi::AnyBuffer bag,
-                            ffi::AnyBuffer weight, ffi::AnyBuffer scale,
-                            ffi::Result<ffi::AnyBuffer> out, int64_t flags,
-                            int64_t length) {
-  if (auto e = CheckF32(table, "table"); !e.success()) return e;
-  if (auto e = CheckF32(src, "update rows"); !e.success()) return e;
-  if (table.untyped_data() != out->untyped_data()) {
-    std::memcpy(out->untyped_data(), table.untyped_data(), table.size_bytes());
+template <ffi::DataType kId>
+static ffi::Error ApplyImpl(ffi::Buffer<ffi::F32> table, F32Rows src,
+                            IdVector<kId> ids, BagVector bag, F32Vector weight,
+                            ffi::BufferR0<ffi::F32> scale,
+                            ffi::Result<ffi::Buffer<ffi::F32>> out,
+                            bool has_bag, bool has_weight, bool coalesced,
+                            bool sum_duplicates, int64_t length) {
+  constexpr const char* kKernel = "apply";
+  const int64_t row = RowWidth(table);
+  if (src.dimensions()[1] != row) {
+    return Invalid(kKernel, "update rows of " + Str(src.dimensions()[1]) +
+                                " floats for table rows of " + Str(row));
   }
-  int64_t num_rows = Leading(table);
-  int64_t row = RowSize(table);
-  float scale_v = F32(scale)[0];
-  const int32_t* bag_p =
-      (flags & kHasBag) ? reinterpret_cast<const int32_t*>(bag.untyped_data())
-                        : nullptr;
-  const float* w = (flags & kHasWeight) ? F32(weight) : nullptr;
-  bool sum_dup = flags & kSumDuplicates;
-  bool coalesced = flags & kCoalesced;
-  switch (ids.element_type()) {
-    case ffi::DataType::S32: {
-      Recipe<int32_t> r{F32(src), IdData<int32_t>(ids), bag_p, length, w, scale_v,
-                        static_cast<int64_t>(ids.element_count()), Leading(src),
-                        row};
-      Apply(r, F32(out), num_rows, sum_dup, coalesced);
-      break;
-    }
-    case ffi::DataType::S64: {
-      Recipe<int64_t> r{F32(src), IdData<int64_t>(ids), bag_p, length, w, scale_v,
-                        static_cast<int64_t>(ids.element_count()), Leading(src),
-                        row};
-      Apply(r, F32(out), num_rows, sum_dup, coalesced);
-      break;
-    }
-    default:
-      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                        "jaxslices apply kernel: ids must be int32 or int64");
+  Recipe<IdOf<kId>> r{};
+  if (auto e = MakeRecipe(kKernel, src, ids, bag, weight, *scale.typed_data(),
+                          has_bag, has_weight, length, &r);
+      !e.success()) {
+    return e;
   }
+  Apply(r, InPlace(table, out), NumRows(table), sum_duplicates, coalesced);
   return ffi::Error::Success();
+}
+
+template <ffi::DataType kId>
+static auto ApplyBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::F32>>()  // table [V, *row]
+      .Arg<F32Rows>()                // src [M, R]
+      .Arg<IdVector<kId>>()          // ids [N]
+      .template Arg<BagVector>()              // bag [N] or []
+      .template Arg<F32Vector>()              // weight [N] or []
+      .template Arg<ffi::BufferR0<ffi::F32>>()  // scale
+      .template Ret<ffi::Buffer<ffi::F32>>()  // table (aliased)
+      .template Attr<bool>("has_bag")
+      .template Attr<bool>("has_weight")
+      .template Attr<bool>("coalesced")
+      .template Attr<bool>("sum_duplicates")
+      .template Attr<int64_t>("length");
 }
 
 }  // namespace jaxslices
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxslicesApply, jaxslices::ApplyImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // table
-                                  .Arg<xla::ffi::AnyBuffer>()  // src
-                                  .Arg<xla::ffi::AnyBuffer>()  // ids
-                                  .Arg<xla::ffi::AnyBuffer>()  // bag
-                                  .Arg<xla::ffi::AnyBuffer>()  // weight
-                                  .Arg<xla::ffi::AnyBuffer>()  // scale
-                                  .Ret<xla::ffi::AnyBuffer>()  // table (alias)
-                                  .Attr<int64_t>("flags")
-                                  .Attr<int64_t>("length"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxslicesApplyS32,
+                              jaxslices::ApplyImpl<xla::ffi::S32>,
+                              jaxslices::ApplyBinding<xla::ffi::S32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxslicesApplyS64,
+                              jaxslices::ApplyImpl<xla::ffi::S64>,
+                              jaxslices::ApplyBinding<xla::ffi::S64>());

@@ -24,17 +24,20 @@ namespace jaxslices {
 
 namespace ffi = xla::ffi;
 
-// Flags shared by the handlers' "flags" attribute.
-enum Flags : int64_t {
-  kHasBag = 1,         // slot s reads src[bag[s]] (else src[s])
-  kHasWeight = 2,      // slot s is weighted by weight[s]
-  kCoalesced = 4,      // the valid ids are distinct already
-  kWantSumSq = 8,      // report the squared norm of the coalesced rows
-  kNesterov = 16,      // the momentum rules' Nesterov variant
-  kSqrtPower = 32,     // FTRL: the power is 0.5 (a square root)
-  kSumDuplicates = 64,  // apply: sum duplicate ids before writing a row
-  kHasScale = 128       // the bag kernel scales each bag by scale[b]
-};
+// The typed FFI boundary. Each handler binds typed buffers (float32 rows,
+// int32 bags, ids of one integer type per registration) and named bool, enum
+// and int64 attributes; a buffer of the wrong dtype or rank is rejected by
+// the FFI before the handler runs, and every handler checks the shapes that
+// its loops index with (a wrong shape is an error, never a write out of
+// bounds). Ids come in two types: each kernel is one template registered
+// twice, as "<target>_s32" and "<target>_s64" (jaxslices/kernels/_build.py).
+using F32Rows = ffi::BufferR2<ffi::F32>;      // [M, R] rows of floats
+using F32Vector = ffi::BufferR1<ffi::F32>;    // [N] (empty: absent)
+using BagVector = ffi::BufferR1<ffi::S32>;    // [N] bag of each slot (empty: absent)
+template <ffi::DataType kId>
+using IdVector = ffi::BufferR1<kId>;          // [N] ids
+template <ffi::DataType kId>
+using IdOf = ffi::NativeType<kId>;
 
 template <typename Id>
 struct Recipe {
@@ -89,18 +92,71 @@ struct Recipe {
   float factor(int64_t s) const { return weight ? scale * weight[s] : scale; }
 };
 
-// Rows per element count of a buffer: the product of every dimension but the
-// first (1 for a rank-1 buffer).
-inline int64_t RowSize(const ffi::AnyBuffer& b) {
+// The number of rows of a buffer (its leading dimension; 1 for a scalar)
+// and the floats per row (the product of every other dimension).
+template <typename B>
+int64_t NumRows(const B& b) {
+  auto dims = b.dimensions();
+  return dims.size() == 0 ? 1 : dims[0];
+}
+
+template <typename B>
+int64_t RowWidth(const B& b) {
   auto dims = b.dimensions();
   int64_t r = 1;
   for (size_t i = 1; i < dims.size(); ++i) r *= dims[i];
   return r;
 }
 
-inline int64_t Leading(const ffi::AnyBuffer& b) {
-  auto dims = b.dimensions();
-  return dims.size() == 0 ? 1 : dims[0];
+// A kernel's refusal of its arguments: what was given, what was expected.
+inline ffi::Error Invalid(const char* kernel, const std::string& what) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    std::string("jaxslices ") + kernel + " kernel: " + what);
+}
+
+inline std::string Str(int64_t x) { return std::to_string(x); }
+
+// The recipe of a gradient from its buffers, checked: src [M, R], ids [N],
+// bag [N] (has_bag), weight [N] (has_weight). Source rows out of [0, M) read
+// nothing (Recipe::source), so only the per-slot arrays need their sizes.
+template <ffi::DataType kId>
+ffi::Error MakeRecipe(const char* kernel, const F32Rows& src,
+                      const IdVector<kId>& ids, const BagVector& bag,
+                      const F32Vector& weight, float scale, bool has_bag,
+                      bool has_weight, int64_t length,
+                      Recipe<IdOf<kId>>* recipe) {
+  const int64_t n = static_cast<int64_t>(ids.element_count());
+  if (has_bag && static_cast<int64_t>(bag.element_count()) != n) {
+    return Invalid(kernel, "the bag array has " + Str(bag.element_count()) +
+                               " entries for " + Str(n) + " ids");
+  }
+  if (has_weight && static_cast<int64_t>(weight.element_count()) != n) {
+    return Invalid(kernel, "the weight array has " +
+                               Str(weight.element_count()) + " entries for " +
+                               Str(n) + " ids");
+  }
+  if (length < 0) return Invalid(kernel, "length " + Str(length) + " < 0");
+  auto dims = src.dimensions();
+  *recipe = Recipe<IdOf<kId>>{src.typed_data(),
+                            ids.typed_data(),
+                            has_bag ? bag.typed_data() : nullptr,
+                            length,
+                            has_weight ? weight.typed_data() : nullptr,
+                            scale,
+                            n,
+                            dims[0],
+                            dims[1]};
+  return ffi::Error::Success();
+}
+
+// The output that aliases `in` (the wrappers always alias it; should XLA
+// have copied the input anyway, the output starts as that copy).
+inline float* InPlace(const ffi::Buffer<ffi::F32>& in,
+                      ffi::Result<ffi::Buffer<ffi::F32>>& out) {
+  if (in.untyped_data() != out->untyped_data() && in.size_bytes() > 0) {
+    std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
+  }
+  return out->typed_data();
 }
 
 // Open-addressing map from a row id to its slot among the distinct ids, in
@@ -342,33 +398,6 @@ int64_t Coalesce(const Recipe<Id>& r, int64_t num_rows, bool coalesced,
     default: SumGroups<0>(r, count, start, order, src_row, rows, on_row);
   }
   return count;
-}
-
-template <typename Id>
-Id* IdData(ffi::AnyBuffer b) {
-  return reinterpret_cast<Id*>(b.untyped_data());
-}
-
-template <typename Id>
-Id* IdData(ffi::Result<ffi::AnyBuffer> b) {
-  return reinterpret_cast<Id*>(b->untyped_data());
-}
-
-inline float* F32(ffi::AnyBuffer b) {
-  return reinterpret_cast<float*>(b.untyped_data());
-}
-
-inline float* F32(ffi::Result<ffi::AnyBuffer> b) {
-  return reinterpret_cast<float*>(b->untyped_data());
-}
-
-inline ffi::Error CheckF32(const ffi::AnyBuffer& b, const char* what) {
-  if (b.element_type() != ffi::DataType::F32) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      std::string("jaxslices kernel: ") + what +
-                          " must be float32");
-  }
-  return ffi::Error::Success();
 }
 
 }  // namespace jaxslices

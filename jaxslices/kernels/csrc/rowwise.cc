@@ -11,18 +11,53 @@
 
 namespace jaxslices {
 
-enum Rule : int64_t {
+// The "rule" attribute. jaxslices/kernels/_ops.py's Rule holds the same
+// names and numbers (tests/lib/test_kernels_boundary.py reads this enum).
+enum class Rule : int32_t {
   kCoalesce = 0,     // out = g
   kClip = 1,         // out = clip(g, -d, d)                      hp: d
   kRowNorm = 2,      // out = g * min(1, m / |g|)                 hp: m
   kRss = 3,          // Adagrad:  acc += g^2                      hp: eps
   kRowwiseRss = 4,   // row-wise Adagrad: acc += mean(g^2)        hp: eps
-  kAdam = 5,         // lazy Adam, mu|nu packed per row           hp: below
+  kAdam = 5,         // lazy Adam, mu|nu packed per row           hp: 9, below
   kTrace = 6,        // momentum: t = g + decay * t               hp: decay
   kDecay = 7,        // weight decay: out = g + wd * p            hp: wd
-  kFtrl = 8,         // FTRL-proximal, n|z packed per row         hp: below
-  kMaxNorm = 9,      // PyTorch's max_norm on the state (a table)  hp: below
+  kFtrl = 8,         // FTRL-proximal, n|z packed per row         hp: 6, below
+  kMaxNorm = 9,      // PyTorch's max_norm on the state (a table)  hp: 3, below
 };
+
+}  // namespace jaxslices
+
+XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jaxslices::Rule);
+
+namespace jaxslices {
+
+// What a rule reads besides the gradient: its number of hyperparameters, its
+// state row's width in gradient rows (-1: one float per row; 0: no state)
+// and whether it reads the parameters. The handler checks the buffers
+// against it before any row is touched.
+struct RuleShape {
+  const char* name;  // as jaxslices/kernels/_ops.py's RuleSpec.kind
+  int64_t num_hp;
+  int64_t state_rows;
+  bool uses_params;
+};
+
+static RuleShape ShapeOf(Rule rule) {
+  switch (rule) {
+    case Rule::kCoalesce: return {"coalesce", 0, 0, false};
+    case Rule::kClip: return {"clip", 1, 0, false};
+    case Rule::kRowNorm: return {"row_norm", 1, 0, false};
+    case Rule::kRss: return {"rss", 1, 1, false};
+    case Rule::kRowwiseRss: return {"rowwise_rss", 1, -1, false};
+    case Rule::kAdam: return {"adam", 9, 2, false};
+    case Rule::kTrace: return {"trace", 1, 1, false};
+    case Rule::kDecay: return {"decay", 1, 0, true};
+    case Rule::kFtrl: return {"ftrl", 6, 2, true};
+    case Rule::kMaxNorm: return {"max_norm", 3, 1, false};
+  }
+  return {nullptr, -1, 0, false};
+}
 
 // clip(x, -d, d) that keeps NaN (as jnp.clip; fmin/fmax would drop it).
 static inline float Clip(float x, float d) {
@@ -32,24 +67,25 @@ static inline float Clip(float x, float d) {
 struct Ctx {
   int64_t row;
   const float* hp;
-  int64_t flags;
+  bool nesterov;    // the momentum rules' Nesterov variant
+  bool sqrt_power;  // FTRL: the power is 0.5 (a square root)
 };
 
 // One distinct row: g (summed gradient, overwritten by the output), its
 // state row(s) st, its parameter row p.
-static inline void ApplyRule(int64_t rule, const Ctx& c, float* g, float* st,
+static inline void ApplyRule(Rule rule, const Ctx& c, float* g, float* st,
                              const float* p) {
   const int64_t R = c.row;
   const float* hp = c.hp;
   switch (rule) {
-    case kCoalesce:
+    case Rule::kCoalesce:
       return;
-    case kClip: {
+    case Rule::kClip: {
       float d = hp[0];
       for (int64_t k = 0; k < R; ++k) g[k] = Clip(g[k], d);
       return;
     }
-    case kRowNorm: {
+    case Rule::kRowNorm: {
       float m = hp[0];
       float norm = std::sqrt(SumSquares(g, R));
       if (norm > m) {
@@ -58,16 +94,19 @@ static inline void ApplyRule(int64_t rule, const Ctx& c, float* g, float* st,
       }
       return;
     }
-    case kRss: {
+    case Rule::kRss: {
       float eps = hp[0];
       for (int64_t k = 0; k < R; ++k) {
         float acc = g[k] * g[k] + st[k];
         st[k] = acc;
-        g[k] = acc > 0.f ? g[k] / std::sqrt(acc + eps) : 0.f;
+        // As the XLA rule: (acc > 0 ? rsqrt(acc + eps) : 0) * g, so that a
+        // NaN accumulator gives a NaN update (0 * NaN), as Optax does.
+        float f = acc > 0.f ? 1.f / std::sqrt(acc + eps) : 0.f;
+        g[k] = f * g[k];
       }
       return;
     }
-    case kRowwiseRss: {
+    case Rule::kRowwiseRss: {
       float eps = hp[0];
       float acc = st[0] + SumSquares(g, R) / static_cast<float>(R);
       st[0] = acc;
@@ -75,12 +114,12 @@ static inline void ApplyRule(int64_t rule, const Ctx& c, float* g, float* st,
       for (int64_t k = 0; k < R; ++k) g[k] = g[k] / denom;
       return;
     }
-    case kAdam: {
+    case Rule::kAdam: {
       // hp: b1, b2, eps, eps_root, bc_mu, bc_nu, bc_mu_next, 1 - b1, 1 - b2
       float b1 = hp[0], b2 = hp[1], eps = hp[2], eps_root = hp[3];
       float bc_mu = hp[4], bc_nu = hp[5], bc_next = hp[6];
       float c1 = hp[7], c2 = hp[8];
-      bool nesterov = c.flags & kNesterov;
+      bool nesterov = c.nesterov;
       float* mu = st;
       float* nu = st + R;
       for (int64_t k = 0; k < R; ++k) {
@@ -95,9 +134,9 @@ static inline void ApplyRule(int64_t rule, const Ctx& c, float* g, float* st,
       }
       return;
     }
-    case kTrace: {
+    case Rule::kTrace: {
       float decay = hp[0];
-      bool nesterov = c.flags & kNesterov;
+      bool nesterov = c.nesterov;
       for (int64_t k = 0; k < R; ++k) {
         float t = g[k] + decay * st[k];
         st[k] = t;
@@ -105,16 +144,16 @@ static inline void ApplyRule(int64_t rule, const Ctx& c, float* g, float* st,
       }
       return;
     }
-    case kDecay: {
+    case Rule::kDecay: {
       float wd = hp[0];
       for (int64_t k = 0; k < R; ++k) g[k] = g[k] + wd * p[k];
       return;
     }
-    case kFtrl: {
+    case Rule::kFtrl: {
       // hp: lr, power k (= -learning_rate_power), l1, l2, l2_shrinkage, beta
       float lr = hp[0], pw = hp[1], l1 = hp[2], l2 = hp[3], l2s = hp[4];
       float beta = hp[5];
-      bool sqrt_power = c.flags & kSqrtPower;
+      bool sqrt_power = c.sqrt_power;
       float* n = st;
       float* z = st + R;
       float l2_total = 2.f * (l2 + beta / (2.f * lr));
@@ -134,13 +173,17 @@ static inline void ApplyRule(int64_t rule, const Ctx& c, float* g, float* st,
       }
       return;
     }
-    case kMaxNorm: {
+    case Rule::kMaxNorm: {
       // hp: max_norm, norm_type (p; inf: the largest entry), eps (1e-7).
       // The state is the table itself: its row is scaled in place.
       float m = hp[0], p_type = hp[1], eps = hp[2];
       float norm = 0.f;
       if (std::isinf(p_type)) {
-        for (int64_t k = 0; k < R; ++k) norm = std::fmax(norm, std::fabs(st[k]));
+        // NaN wins, as jnp.max (std::fmax would drop it).
+        for (int64_t k = 0; k < R; ++k) {
+          float a = std::fabs(st[k]);
+          if (a > norm || std::isnan(a)) norm = a;  // NaN stays
+        }
       } else if (p_type == 2.f) {
         norm = std::sqrt(SumSquares(st, R));
       } else if (p_type == 1.f) {
@@ -158,20 +201,18 @@ static inline void ApplyRule(int64_t rule, const Ctx& c, float* g, float* st,
   }
 }
 
-template <typename Id>
-static ffi::Error Rowwise(const Recipe<Id>& r, int64_t rule, int64_t flags,
-                          int64_t num_rows, const float* hp, const float* params,
-                          float* state, int64_t state_row, Id* uids,
-                          float* rows, int64_t capacity, int32_t* count_out,
-                          float* sumsq_out) {
+template <typename IdT>
+static void Rowwise(const Recipe<IdT>& r, Rule rule, const Ctx& c,
+                    bool coalesced, bool want_sumsq, int64_t num_rows,
+                    const float* params, float* state, int64_t state_row,
+                    IdT* uids, float* rows, int64_t capacity,
+                    int32_t* count_out, float* sumsq_out) {
   int64_t total = 0;
-  Ctx c{r.row, hp, flags};
-  const bool want_sumsq = flags & kWantSumSq;
   double ss = 0.0;
   auto on_row = [&](int64_t j) {
     float* g = rows + j * r.row;
     if (want_sumsq) ss += SumSquares(g, r.row);
-    if (rule == kCoalesce) return;
+    if (rule == Rule::kCoalesce) return;
     int64_t id = static_cast<int64_t>(uids[j]);
     float* st = state ? state + id * state_row : nullptr;
     const float* p = params ? params + id * r.row : nullptr;
@@ -187,96 +228,131 @@ static ffi::Error Rowwise(const Recipe<Id>& r, int64_t rule, int64_t flags,
     }
     on_row(j);
   };
-  const bool coalesced = flags & kCoalesced;
-  int64_t count = coalesced
-                      ? Coalesce(r, num_rows, true, capacity, rows, uids, &total, on_row)
-                      : Coalesce(r, num_rows, false, capacity, rows, uids, &total,
-                                 on_row_prefetching);
+  int64_t count =
+      coalesced
+          ? Coalesce(r, num_rows, true, capacity, rows, uids, &total, on_row)
+          : Coalesce(r, num_rows, false, capacity, rows, uids, &total,
+                     on_row_prefetching);
   *count_out = static_cast<int32_t>(total);
   if (count < 0) {  // over capacity: the wrapper raises; nothing changed
-    for (int64_t j = 0; j < capacity; ++j) uids[j] = static_cast<Id>(num_rows);
-    *sumsq_out = 0.f;
-    return ffi::Error::Success();
+    count = 0;
+    ss = 0.0;
   }
   *sumsq_out = static_cast<float>(ss);
-  for (int64_t j = count; j < capacity; ++j) uids[j] = static_cast<Id>(num_rows);
+  for (int64_t j = count; j < capacity; ++j) uids[j] = static_cast<IdT>(num_rows);
+}
+
+// The state and parameter buffers against the rule's shape: [V, width]
+// (width as RuleShape says; absent: an empty buffer).
+static ffi::Error CheckRuleBuffers(Rule rule, int64_t row, int64_t num_rows,
+                                   const F32Vector& hp,
+                                   const ffi::Buffer<ffi::F32>& params,
+                                   const ffi::Buffer<ffi::F32>& state) {
+  constexpr const char* kKernel = "rowwise";
+  const RuleShape shape = ShapeOf(rule);
+  if (shape.num_hp < 0) {
+    return Invalid(kKernel, "unknown rule " + Str(static_cast<int32_t>(rule)));
+  }
+  const std::string name = std::string("rule ") + shape.name;
+  if (static_cast<int64_t>(hp.element_count()) != shape.num_hp) {
+    return Invalid(kKernel, name + " takes " + Str(shape.num_hp) +
+                                " hyperparameters, got " +
+                                Str(hp.element_count()));
+  }
+  if (shape.state_rows != 0) {
+    const int64_t width = shape.state_rows < 0 ? 1 : shape.state_rows * row;
+    if (NumRows(state) != num_rows || RowWidth(state) != width) {
+      return Invalid(kKernel, name + " needs a state of " + Str(num_rows) +
+                                  " rows of " + Str(width) +
+                                  " floats, got " + Str(NumRows(state)) +
+                                  " rows of " + Str(RowWidth(state)));
+    }
+  }
+  if (shape.uses_params &&
+      (NumRows(params) != num_rows || RowWidth(params) != row)) {
+    return Invalid(kKernel, name + " needs parameters of " + Str(num_rows) +
+                                " rows of " + Str(row) + " floats, got " +
+                                Str(NumRows(params)) + " rows of " +
+                                Str(RowWidth(params)));
+  }
   return ffi::Error::Success();
 }
 
+template <ffi::DataType kId>
 static ffi::Error RowwiseImpl(
-    ffi::AnyBuffer src, ffi::AnyBuffer ids, ffi::AnyBuffer bag,
-    ffi::AnyBuffer weight, ffi::AnyBuffer scale, ffi::AnyBuffer hp,
-    ffi::AnyBuffer params, ffi::AnyBuffer state,
-    ffi::Result<ffi::AnyBuffer> state_out, ffi::Result<ffi::AnyBuffer> uids,
-    ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> count,
-    ffi::Result<ffi::AnyBuffer> sumsq, int64_t rule, int64_t flags,
-    int64_t length, int64_t num_rows, int64_t uses_state,
-    int64_t uses_params) {
-  if (auto e = CheckF32(src, "gradient rows"); !e.success()) return e;
-  if (uses_state && state.untyped_data() != state_out->untyped_data()) {
-    // Not aliased (the wrapper always aliases; XLA may still have copied):
-    // work on the output, a copy of the input.
-    std::memcpy(state_out->untyped_data(), state.untyped_data(),
-                state.size_bytes());
+    F32Rows src, IdVector<kId> ids, BagVector bag, F32Vector weight,
+    ffi::BufferR0<ffi::F32> scale, F32Vector hp, ffi::Buffer<ffi::F32> params,
+    ffi::Buffer<ffi::F32> state, ffi::Result<ffi::Buffer<ffi::F32>> state_out,
+    ffi::ResultBufferR1<kId> uids, ffi::ResultBufferR2<ffi::F32> rows,
+    ffi::ResultBufferR0<ffi::S32> count, ffi::ResultBufferR0<ffi::F32> sumsq,
+    Rule rule, bool has_bag, bool has_weight, bool coalesced, bool want_sumsq,
+    bool nesterov, bool sqrt_power, int64_t length, int64_t num_rows) {
+  constexpr const char* kKernel = "rowwise";
+  const int64_t row = src.dimensions()[1];
+  const int64_t capacity = rows->dimensions()[0];
+  if (rows->dimensions()[1] != row ||
+      static_cast<int64_t>(uids->element_count()) != capacity) {
+    return Invalid(kKernel, "outputs of " + Str(uids->element_count()) +
+                                " ids and " + Str(capacity) + " rows of " +
+                                Str(rows->dimensions()[1]) +
+                                " floats for gradient rows of " + Str(row));
   }
-  float* st = uses_state ? F32(state_out) : nullptr;
-  int64_t state_row = uses_state ? RowSize(state) : 0;
-  const float* p = uses_params ? F32(params) : nullptr;
-  int64_t capacity = Leading(*uids);
-  float scale_v = F32(scale)[0];
-  const int32_t* bag_p =
-      (flags & kHasBag) ? reinterpret_cast<const int32_t*>(bag.untyped_data())
-                        : nullptr;
-  const float* w = (flags & kHasWeight) ? F32(weight) : nullptr;
-  int64_t row = RowSize(*rows);
-  if (ids.element_type() != uids->element_type()) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "jaxslices rowwise kernel: ids and uids dtypes differ");
+  if (capacity > static_cast<int64_t>(ids.element_count())) {
+    return Invalid(kKernel, "capacity " + Str(capacity) + " > " +
+                                Str(ids.element_count()) + " ids");
   }
-  int32_t* count_p = reinterpret_cast<int32_t*>(count->untyped_data());
-  switch (ids.element_type()) {
-    case ffi::DataType::S32: {
-      Recipe<int32_t> r{F32(src), IdData<int32_t>(ids), bag_p, length, w, scale_v,
-                        static_cast<int64_t>(ids.element_count()), Leading(src),
-                        row};
-      return Rowwise(r, rule, flags, num_rows, F32(hp), p, st, state_row,
-                     IdData<int32_t>(uids), F32(rows), capacity, count_p,
-                     F32(sumsq));
-    }
-    case ffi::DataType::S64: {
-      Recipe<int64_t> r{F32(src), IdData<int64_t>(ids), bag_p, length, w, scale_v,
-                        static_cast<int64_t>(ids.element_count()), Leading(src),
-                        row};
-      return Rowwise(r, rule, flags, num_rows, F32(hp), p, st, state_row,
-                     IdData<int64_t>(uids), F32(rows), capacity, count_p,
-                     F32(sumsq));
-    }
-    default:
-      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                        "jaxslices rowwise kernel: ids must be int32 or int64");
+  if (auto e = CheckRuleBuffers(rule, row, num_rows, hp, params, state);
+      !e.success()) {
+    return e;
   }
+  Recipe<IdOf<kId>> r{};
+  if (auto e = MakeRecipe(kKernel, src, ids, bag, weight, *scale.typed_data(),
+                          has_bag, has_weight, length, &r);
+      !e.success()) {
+    return e;
+  }
+  const RuleShape shape = ShapeOf(rule);
+  float* st = shape.state_rows != 0 ? InPlace(state, state_out) : nullptr;
+  Ctx c{row, hp.typed_data(), nesterov, sqrt_power};
+  Rowwise(r, rule, c, coalesced, want_sumsq, num_rows,
+          shape.uses_params ? params.typed_data() : nullptr, st,
+          st ? RowWidth(state) : 0, uids->typed_data(), rows->typed_data(),
+          capacity, count->typed_data(), sumsq->typed_data());
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType kId>
+static auto RowwiseBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<F32Rows>()                  // src [M, R]
+      .Arg<IdVector<kId>>()            // ids [N]
+      .template Arg<BagVector>()                // bag [N] or []
+      .template Arg<F32Vector>()                // weight [N] or []
+      .template Arg<ffi::BufferR0<ffi::F32>>()  // scale
+      .template Arg<F32Vector>()                // hp [H]
+      .template Arg<ffi::Buffer<ffi::F32>>()    // params [V, *row] or []
+      .template Arg<ffi::Buffer<ffi::F32>>()    // state [V, *srow] or []
+      .template Ret<ffi::Buffer<ffi::F32>>()    // state (aliased)
+      .template Ret<ffi::BufferR1<kId>>()       // uids [K]
+      .template Ret<ffi::BufferR2<ffi::F32>>()  // rows [K, R]
+      .template Ret<ffi::BufferR0<ffi::S32>>()  // count
+      .template Ret<ffi::BufferR0<ffi::F32>>()  // sumsq
+      .template Attr<Rule>("rule")
+      .template Attr<bool>("has_bag")
+      .template Attr<bool>("has_weight")
+      .template Attr<bool>("coalesced")
+      .template Attr<bool>("want_sumsq")
+      .template Attr<bool>("nesterov")
+      .template Attr<bool>("sqrt_power")
+      .template Attr<int64_t>("length")
+      .template Attr<int64_t>("num_rows");
 }
 
 }  // namespace jaxslices
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxslicesRowwise, jaxslices::RowwiseImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // src
-                                  .Arg<xla::ffi::AnyBuffer>()  // ids
-                                  .Arg<xla::ffi::AnyBuffer>()  // bag
-                                  .Arg<xla::ffi::AnyBuffer>()  // weight
-                                  .Arg<xla::ffi::AnyBuffer>()  // scale
-                                  .Arg<xla::ffi::AnyBuffer>()  // hp
-                                  .Arg<xla::ffi::AnyBuffer>()  // params
-                                  .Arg<xla::ffi::AnyBuffer>()  // state
-                                  .Ret<xla::ffi::AnyBuffer>()  // state (alias)
-                                  .Ret<xla::ffi::AnyBuffer>()  // uids
-                                  .Ret<xla::ffi::AnyBuffer>()  // rows
-                                  .Ret<xla::ffi::AnyBuffer>()  // count
-                                  .Ret<xla::ffi::AnyBuffer>()  // sumsq
-                                  .Attr<int64_t>("rule")
-                                  .Attr<int64_t>("flags")
-                                  .Attr<int64_t>("length")
-                                  .Attr<int64_t>("num_rows")
-                                  .Attr<int64_t>("uses_state")
-                                  .Attr<int64_t>("uses_params"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxslicesRowwiseS32,
+                              jaxslices::RowwiseImpl<xla::ffi::S32>,
+                              jaxslices::RowwiseBinding<xla::ffi::S32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxslicesRowwiseS64,
+                              jaxslices::RowwiseImpl<xla::ffi::S64>,
+                              jaxslices::RowwiseBinding<xla::ffi::S64>());

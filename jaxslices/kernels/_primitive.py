@@ -1,0 +1,140 @@
+"""The primitive machinery of the native ops: one JAX primitive per kernel.
+
+A :class:`NativeOp` is a JAX primitive with an XLA *reference*
+implementation written in jax.numpy: its contract and its fallback. It
+lowers to the reference on every platform but the CPU, on the CPU when the
+kernels are not loaded or the step is partitioned over several devices by
+``jit`` (a custom call has no partitioning rule: XLA would gather the whole
+table onto every device), under ``jax.vmap`` (the batching rule vmaps the
+reference) and under differentiation (the JVP rule differentiates the
+reference, unless the op brings its own). On one CPU device, and inside
+``shard_map`` (every mesh axis manual: the kernel runs on each device's own
+shard), it lowers to the FFI custom call. A Pallas kernel for GPU or TPU
+would be one more lowering rule here: this is the seam.
+
+The FFI boundary is typed (``csrc/common.h``): each kernel is registered once
+per ids dtype (``<target>_s32``, ``<target>_s64``), and its attributes are
+passed with the types the handler binds (``np.bool_`` for ``bool``,
+``np.int32`` for the rule enum, ``np.int64`` for sizes), so the FFI rejects a
+mismatch instead of reinterpreting it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _jax_compat
+from . import _build, _path
+
+# The ids dtypes the kernels are registered for, and their target suffixes.
+ID_SUFFIXES = {np.dtype(np.int32): "s32", np.dtype(np.int64): "s64"}
+
+
+def target_name(target: str, ids_dtype: Any) -> str:
+    """The FFI target of kernel ``target`` for ids of ``ids_dtype``."""
+    return f"{target}_{ID_SUFFIXES[np.dtype(ids_dtype)]}"
+
+
+def check_ids_dtype(ids: Any, where: str) -> None:
+    """Raise unless ``ids`` are int32 or int64 (the kernels' two registrations)."""
+    dtype = np.dtype(ids.dtype)
+    if dtype not in ID_SUFFIXES:
+        raise TypeError(
+            f"{where}: the native kernels take int32 or int64 ids, got "
+            f"{dtype.name} (jaxslices._ids.index_dtype gives the ids' dtype)."
+        )
+
+
+class NativeOp:
+    """A primitive: a C++ kernel on CPU, its XLA reference everywhere else.
+
+    Args:
+      name: the primitive's name (also the stem of its FFI targets).
+      reference: ``(*operands, **params) -> list of outputs``, in jax.numpy.
+      abstract: ``(*avals, **params) -> list of output avals``.
+      aliases: operand index -> output index written in place.
+      attrs: the kernel's FFI attributes: param name -> numpy scalar type.
+      ids_operand: the index of the ids operand (it picks the target).
+      jvp: a JVP rule of the primitive (default: the reference's).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        reference: Callable[..., list[jax.Array]],
+        abstract: Callable[..., list[Any]],
+        *,
+        aliases: dict[int, int],
+        attrs: dict[str, type],
+        ids_operand: int,
+        jvp: Callable[..., Any] | None = None,
+    ):
+        self.name, self.target = name, name
+        self.reference, self.aliases, self.attrs = reference, aliases, attrs
+        self.ids_operand = ids_operand
+        if not _jax_compat.AVAILABLE["ffi_primitive"]:  # pragma: no cover
+            self.prim = None
+            return
+        p = _jax_compat.Primitive(name)
+        p.multiple_results = True
+        p.def_abstract_eval(lambda *avals, **params: abstract(*avals, **params))
+        p.def_impl(self._impl)
+        mlir = _jax_compat.mlir
+        mlir.register_lowering(
+            p, mlir.lower_fun(self._reference, multiple_results=True)
+        )
+        mlir.register_lowering(p, self._cpu_lowering, platform="cpu")
+        _jax_compat.primitive_batchers[p] = self._batch
+        _jax_compat.primitive_jvps[p] = jvp or self._jvp
+        self.prim = p
+
+    def bind(self, *args: Any, **params: Any) -> list[jax.Array]:
+        return self.prim.bind(*args, **params)
+
+    def _reference(self, *args: Any, **params: Any) -> list[jax.Array]:
+        return self.reference(*args, **params)
+
+    @functools.cached_property
+    def _jitted(self) -> Callable[..., Any]:
+        @functools.lru_cache(maxsize=256)
+        def compiled(items):
+            params = dict(items)
+            return jax.jit(lambda *a: self.prim.bind(*a, **params))
+
+        return compiled
+
+    def _impl(self, *args: Any, **params: Any) -> list[jax.Array]:
+        # Eager use: compile the primitive alone (lowered like any other).
+        return self._jitted(tuple(sorted(params.items())))(*args)
+
+    def _cpu_lowering(self, ctx: Any, *operands: Any, **params: Any) -> Any:
+        per_device = _jax_compat.lowering_is_per_device(ctx)
+        # The switch is part of jit's cache keys (kernels._path), so a direct
+        # op call inside ``disabled()`` lowers to its reference too.
+        native = _path._enabled() and per_device
+        if params["fallback"] is None and native and _build.load():
+            attrs = {k: kind(params[k]) for k, kind in self.attrs.items()}
+            ids_dtype = ctx.avals_in[self.ids_operand].dtype
+            rule = jax.ffi.ffi_lowering(
+                target_name(self.target, ids_dtype),
+                operand_output_aliases=dict(self.aliases),
+            )
+            return rule(ctx, *operands, **attrs)
+        ref = _jax_compat.mlir.lower_fun(self._reference, multiple_results=True)
+        return ref(ctx, *operands, **params)
+
+    def _batch(self, args: Any, dims: Any, **params: Any) -> Any:
+        fun = functools.partial(self.reference, **params)
+        out = jax.vmap(lambda *a: tuple(fun(*a)), in_axes=tuple(dims))(*args)
+        return list(out), [0] * len(out)
+
+    def _jvp(self, primals: Any, tangents: Any, **params: Any) -> Any:
+        tangents = [_jax_compat.instantiate_zeros(t) for t in tangents]
+        fun = functools.partial(self.reference, **params)
+        out, t_out = jax.jvp(lambda *a: tuple(fun(*a)), tuple(primals), tuple(tangents))
+        return list(out), list(t_out)
