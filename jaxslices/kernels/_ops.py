@@ -85,7 +85,9 @@ def _bag_reference(
     num_bags, **_,
 ):  # fmt: skip
     row_shape = table.shape[1:]
-    rows = flat_rows(table.at[ids].get(mode="fill", fill_value=0))
+    # An id outside [0, V) adds nothing; JAX would wrap a negative one.
+    safe = jnp.where((ids >= 0) & (ids < table.shape[0]), ids, table.shape[0])
+    rows = flat_rows(table.at[safe].get(mode="fill", fill_value=0))
     if has_weight:
         rows = rows * weight[:, None]
     if has_bag:
