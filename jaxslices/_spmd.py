@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -53,7 +54,7 @@ def replicate_rows(target: Any, tree: Any) -> Any:
         # axes are not supported by jaxslices' lookups yet (docs/scale_out.md);
         # unknown axis kinds: the layout is left to XLA (correct, slower).
         return tree
-    _warn_if_routed(target, mesh)
+    _warn_if_routed(target)
     replicated = NamedSharding(mesh, P())
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), tree)
 
@@ -122,31 +123,33 @@ def sum_over_shards(x: Any) -> Any:
 _ROUTED = threading.local()
 
 
-def expect_routed_step(key: tuple, message: str) -> None:
-    """While tracing: a routed lookup of the table ``key`` was differentiated.
+def expect_routed_step(table: Any, message: str) -> None:
+    """While tracing: a routed lookup of ``table`` was differentiated.
 
-    ``key``: ``(shape, dtype name, mesh shape items)``. Until a routed step
-    takes the table's gradient (:func:`routed_step_taken`), the first
-    scatter into such a table under the partitioner (:func:`replicate_rows`)
-    warns ``message``: the step was written as on one device.
+    Until a routed step takes the table's gradient (:func:`routed_step_taken`),
+    the first scatter into this very array (the same tracer, under ``jit``)
+    under the partitioner (:func:`replicate_rows`) warns ``message``: the
+    step was written as on one device. Held weakly: a finished trace's
+    tracers are gone, and with them what was expected of them.
     """
-    _ROUTED.pending = {**getattr(_ROUTED, "pending", {}), key: message}
+    _ROUTED.pending = [*_pending(), (weakref.ref(table), message)]
 
 
-def routed_step_taken(keys: Iterable[tuple]) -> None:
+def routed_step_taken(tables: Iterable[Any]) -> None:
     """A routed step takes these tables' gradients: nothing to warn about."""
-    pending = dict(getattr(_ROUTED, "pending", {}))
-    for key in keys:
-        pending.pop(key, None)
-    _ROUTED.pending = pending
+    done = [id(t) for t in tables]
+    _ROUTED.pending = [(r, m) for r, m in _pending() if id(r()) not in done]
 
 
-def _warn_if_routed(target: Any, mesh: Any) -> None:
-    pending = getattr(_ROUTED, "pending", None)
-    if not pending:
+def _pending() -> list:
+    """The live entries of :func:`expect_routed_step`."""
+    return [(r, m) for r, m in getattr(_ROUTED, "pending", ()) if r() is not None]
+
+
+def _warn_if_routed(target: Any) -> None:
+    if not getattr(_ROUTED, "pending", None):
         return
-    key = (tuple(target.shape), str(target.dtype), tuple(dict(mesh.shape).items()))
-    message = pending.get(key)
+    message = next((m for r, m in _pending() if r() is target), None)
     if message is not None:
-        routed_step_taken([key])  # once per traced step
+        routed_step_taken([target])  # once per traced step
         warnings.warn(message, UserWarning, stacklevel=5)

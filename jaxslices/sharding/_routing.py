@@ -202,13 +202,8 @@ def gather(
     out = _tape.lookup(table, ids, fn)  # the batch's sparse gradient
     if out is None:
         return fn(table, ids)
-    _spmd.expect_routed_step(_table_key(table, route.mesh), _unrouted_message(route))
+    _spmd.expect_routed_step(table, _unrouted_message(route))
     return out
-
-
-def _table_key(table: Any, mesh: Any) -> tuple:
-    """What a routed table is known by while a step is traced."""
-    return (tuple(table.shape), str(table.dtype), tuple(dict(mesh.shape).items()))
 
 
 def _unrouted_message(route: Route) -> str:
@@ -330,9 +325,7 @@ def update(
     if len(routes) != len(leaves):
         raise ValueError(f"{where}: one route per parameter leaf.")
     routed = [r for r in routes if r is not None and r.routing == "all_to_all"]
-    _spmd.routed_step_taken(
-        _table_key(p, r.mesh) for p, r in zip(leaves, routes, strict=True) if r
-    )
+    _spmd.routed_step_taken(p for p, r in zip(leaves, routes, strict=True) if r)
     if not routed:
         upd, state = tx.update(grads, state, params)
         return updates_.apply_updates(params, upd), state

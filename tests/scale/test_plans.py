@@ -284,6 +284,39 @@ def test_the_step_written_as_on_one_device_is_right_on_a_routed_plan():
         np.testing.assert_allclose(emb[k], want["emb"][k], rtol=1e-5, atol=1e-6)
 
 
+def test_only_a_routed_tables_unrouted_scatter_warns():
+    """``plan.update`` takes the routed gradient: no warning (warnings are
+    errors here), also where another table of the same shape and layout is
+    scattered by the partitioner first in the same step (the warning is for
+    the routed table's own tracer); a gradient computed in one trace and
+    applied in another is not that tracer either."""
+    m = _mesh.mesh((8,), ("model",))
+    coll = js.EmbeddingCollection([js.TableConfig("t", rows=64, dim=8)])
+    plan = js.sharding.ShardingPlan(
+        coll, m, "model", {"t": "row_wise"}, routing="all_to_all"
+    )
+    params = plan.shard(coll.init(jax.random.key(0)))
+    other = jax.device_put(jnp.zeros((64, 8)), NamedSharding(m, P("model")))
+    tx = js.sgd(0.1)
+    state = js.sharding.sharded_init(tx, params)
+    ids = jax.device_put({"t": np.arange(16).reshape(16, 1)}, NamedSharding(m, P()))
+    loss = lambda p, ids: jnp.sum(plan.concat(p, ids) ** 2)  # noqa: E731
+
+    @jax.jit
+    def step(params, state, other, ids):
+        g = js.grad(loss)(params, ids)
+        rows = js.IndexedSlices(jnp.ones((2, 8)), jnp.array([1, 2]), (64, 8))
+        other = js.apply_updates(other, rows)  # before the routed step
+        new, state = plan.update(tx, g, state, params)
+        return new, state, other
+
+    new, _, other = step(params, state, other, ids)
+    assert float(other.sum()) == 16.0
+    g = jax.jit(js.grad(loss))(params, ids)  # traced alone: nothing pending
+    u, _ = tx.update(g, tx.init(params), params)
+    jax.jit(js.apply_updates)(params, u)
+
+
 def test_the_default_routing_counts_the_ids_of_the_samples_and_says_why():
     """Built as docs/collections.md builds a plan (samples, no routing, no
     batch_size): the cost model counts the ids per step in the samples (not
