@@ -55,11 +55,17 @@ def available() -> bool:
 def status() -> str:
     """One line: the kernels are loaded (and from where), or why not.
 
+    Builds and loads them first if no step has yet (as :func:`available`),
+    but does not warn: the line it returns is the message.
+
     Example:
       >>> import jaxslices
       >>> jaxslices.kernels.status().split(":")[0] in ("loaded", "unavailable",
       ...     "disabled by JAXSLICES_NATIVE=0")
       True
+      >>> jaxslices.kernels.status().startswith("loaded: ") == (
+      ...     jaxslices.kernels.available())
+      True
     """
-    _load()
+    _load(warn=False)
     return _status()
