@@ -181,3 +181,18 @@ def test_parallel_builds_into_one_fresh_cache(tmp_path):
     libs = list((tmp_path / "cache").glob("libjaxslices_kernels-*.so"))
     assert len(libs) == 1, libs
     assert not list((tmp_path / "cache").glob("*.tmp")), "a temporary was left"
+
+
+def test_cis_machine_without_a_compiler_has_none(tmp_path):
+    """``.ci/without-compiler`` (CI's run without one) leaves jaxslices no compiler."""
+    code = "import jaxslices as js; print('status', js.kernels.status())"
+    out = subprocess.run(
+        [str(ROOT / ".ci" / "without-compiler"), sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "CXX": "g++", "JAXSLICES_CXX": "g++"},  # it unsets them
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "status unavailable: no C++ compiler found" in out.stdout, out.stdout
