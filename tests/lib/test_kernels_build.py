@@ -191,7 +191,14 @@ def test_cis_machine_without_a_compiler_has_none(tmp_path):
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "CXX": "g++", "JAXSLICES_CXX": "g++"},  # it unsets them
+        env={
+            **os.environ,
+            # this Python first on PATH, as in CI's activated venv: the
+            # script asks `python` whether jaxslices finds a compiler
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "CXX": "g++",  # it unsets them
+            "JAXSLICES_CXX": "g++",
+        },
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
