@@ -19,6 +19,7 @@ This module is the user's handle on it:
 * :func:`explain`: which path each operation of a step takes, and why.
 * :func:`disabled`: trace a step on the XLA path (``JAXSLICES_NATIVE=0``
   does it for a whole process).
+* ``python -m jaxslices.kernels``: build them now and print :func:`status`.
 """
 
 from __future__ import annotations
