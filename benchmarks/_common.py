@@ -2,7 +2,9 @@
 
 Kept tiny on purpose; each script stays readable on its own. Scripts import
 this as a sibling module (``python benchmarks/<script>.py`` puts
-``benchmarks/`` on ``sys.path``; the smoke tests do the same).
+``benchmarks/`` on ``sys.path``; the smoke tests do the same), and the
+repository's ``tools/`` and ``examples/`` through ``_repo.load``; no script
+edits ``sys.path`` (tests/repo/test_benchmarks.py checks it).
 """
 
 from __future__ import annotations

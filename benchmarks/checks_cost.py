@@ -237,18 +237,16 @@ def main(
     labels = labels or trees
     for r in range(repeats):
         for tree, label in zip(trees, labels, strict=True):
+            here = str(Path(__file__).parent)
             env = {
                 **os.environ,
-                "PYTHONPATH": str(Path(tree).resolve()),
+                # the tree's jaxslices, and this script for the child
+                "PYTHONPATH": os.pathsep.join([str(Path(tree).resolve()), here]),
                 "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
                 "JAX_PLATFORMS": "cpu",
             }
-            here = str(Path(__file__).parent)
             sizes = f"{num_rows}, {dim}, {batch}, {bag}, {steps}, {hlo_sizes}"
-            code = (
-                f"import sys, json; sys.path.insert(0, {here!r}); "
-                f"import checks_cost as c; print(json.dumps(c.child({sizes})))"
-            )
+            code = f"import json, checks_cost as c; print(json.dumps(c.child({sizes})))"
             proc = subprocess.run(  # cwd: `python -c` imports from it first
                 [sys.executable, "-c", code],
                 env=env,

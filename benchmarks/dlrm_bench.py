@@ -64,12 +64,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from _common import MALLOC_ENV, environment, rss_mb, save_json, summary, time_call
+from _repo import load
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import criteo_synth as synth  # noqa: E402
-import dlrm  # noqa: E402
+import jaxslices as js
 
-import jaxslices as js  # noqa: E402
+synth = load("examples.criteo_synth")
+dlrm = load("examples.dlrm")
 
 PATHS = ("collection", "collection_padded", "separate", "dense")
 

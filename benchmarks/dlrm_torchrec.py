@@ -28,10 +28,10 @@ import json
 import resource
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+from _repo import load
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: F401 (checks FBGEMM)
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.models.dlrm import DLRM
@@ -39,8 +39,7 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import criteo_synth as synth  # noqa: E402
+synth = load("examples.criteo_synth")
 
 
 class LinearHead(torch.nn.Module):

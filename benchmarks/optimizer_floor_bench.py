@@ -403,8 +403,6 @@ def _run_here(tree: str, args: dict[str, Any]) -> dict[str, Any]:
     here = Path(jaxslices.__file__).resolve().parents[1]
     if here != Path(tree).resolve():
         raise ValueError(f"in_process: jaxslices is imported from {here}, not {tree}")
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
     load = os.getloadavg()[0]
     out = json.loads(json.dumps(child(**args)))  # the keys a child's JSON has
     out["tree"] = str(here)

@@ -39,23 +39,22 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _common import environment, progress, save_json  # noqa: E402
+from _repo import load  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxslices as js  # noqa: E402
-from tools import hlo  # noqa: E402  (the HLO parser shared with the tests)
+
+hlo = load("tools.hlo")  # the HLO parser shared with the tests
 
 OPTIMIZERS = {
     "sgd": lambda: js.sgd(0.1),

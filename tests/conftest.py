@@ -1,4 +1,5 @@
-"""Test configuration: 8 CPU devices for sharding tests, hypothesis profiles."""
+"""Test configuration: 8 CPU devices for sharding tests, hypothesis profiles,
+the native kernels asked for once (their status in the report's header)."""
 
 import os
 
@@ -16,6 +17,14 @@ hypothesis.settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 import pytest  # noqa: E402
+
+# Builds or finds the native kernels now, in every process (xdist workers
+# too), with their one-time warning caught: no test meets it as an error.
+from helpers import KERNELS_STATUS  # noqa: E402
+
+
+def pytest_report_header(config):
+    return f"jaxslices native kernels: {KERNELS_STATUS}"
 
 
 @pytest.fixture

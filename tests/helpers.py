@@ -1,14 +1,45 @@
-"""Shared test helpers: random slices with repeats and padding, tolerances."""
+"""Shared test helpers: random slices with repeats and padding, tolerances,
+whether the native kernels run here."""
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+import jaxslices
 from jaxslices import IndexedSlices, _jax_compat
+
+
+def _native_kernels() -> tuple[bool, str]:
+    """Whether the native CPU kernels run in this process, and their status line.
+
+    Asked once per process (tests/conftest.py imports this module before any
+    test), with the one-time ``KernelsUnavailableWarning`` caught: under
+    pyproject's ``filterwarnings = ["error"]`` it would otherwise fail
+    whichever collection or test first met the kernels. Its cause is the
+    status line, which the skips below give as their reason and the pytest
+    header prints. The warning itself is tested in subprocesses
+    (tests/lib/test_kernels_build.py).
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxslices.kernels.KernelsUnavailableWarning)
+        available = jaxslices.kernels.available()
+    return available, jaxslices.kernels.status()
+
+
+KERNELS_AVAILABLE, KERNELS_STATUS = _native_kernels()
+
+#: For a test (``@needs_kernels``) or module (``pytestmark``) that asserts the
+#: native path: skipped, with the kernels' status as the reason, where they do
+#: not run (no C++ compiler, a failed build, ``JAXSLICES_NATIVE=0``).
+needs_kernels = pytest.mark.skipif(
+    not KERNELS_AVAILABLE, reason=f"needs the native kernels: {KERNELS_STATUS}"
+)
 
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 ROW_SHAPES = [(), (3,), (2, 3)]

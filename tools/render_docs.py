@@ -48,7 +48,10 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "2026-11-cpu-rerun/step_bench_cpu.json",
         "2026-11-gpu/step_bench_gpu.json",
     ),
-    "readme-demo": ("2026-11-cpu/movielens.json",),
+    "readme-demo": (
+        "2026-11-cpu-demo/movielens.json",
+        "2026-11-cpu-demo/movielens_xla.json",
+    ),
     "examples-movielens": ("2026-11-cpu/movielens.json",),
     "design-coalesce": (
         "2026-11-cpu/coalesce_bench_cpu.json",
@@ -267,19 +270,36 @@ def examples_movielens() -> str:
 
 
 def readme_demo() -> str:
-    """README: what the demo prints (its run in benchmarks/results/)."""
-    (name,) = SOURCES["readme-demo"]
-    r = load(name)
-    s, big = r["sparse"], r["large"]
+    """README: what the demo prints, on the native kernels and on the XLA path.
+
+    Two runs of ``python examples/demo.py`` one after the other on one machine:
+    as it comes (the native kernels) and with ``JAXSLICES_NATIVE=0`` (the XLA
+    path, as without a compiler); each file records its path (``kernels``).
+    """
+    native_name, xla_name = SOURCES["readme-demo"]
+    r, x = load(native_name), load(xla_name)
+    for name, d, native in ((native_name, r, True), (xla_name, x, False)):
+        if d["environment"]["kernels"].startswith("loaded") != native:
+            raise ValueError(
+                f"{name}: expected a run on the {'native' if native else 'XLA'} "
+                f"path, it says {d['environment']['kernels']!r}"
+            )
+    s, big, xbig = r["sparse"], r["large"], x["large"]
     return (
-        f"It prints (`benchmarks/results/{name}`, "
+        f"It prints (`benchmarks/results/{native_name}`, "
         f"{r['environment']['cpus']} CPU cores{_load(r['environment'])}): "
         f"test RMSE {s['test_rmse']:.4f} "
         f"for jaxslices and {r['dense']['test_rmse']:.4f} for dense Optax (item-mean "
         f"baseline {r['item_mean_rmse']:.4f}); with {big['item_rows']:,}-row item "
-        f"tables a jaxslices step takes {big['sparse']['median_step_ms']:.2f} ms, "
+        f"tables a jaxslices step takes {big['sparse']['median_step_ms']:.2f} ms "
+        "on its native CPU kernels, "
         f"a dense Optax step {big['dense']['median_step_ms']:.1f} ms "
-        f"({big['speedup']:.0f}x). Details: [docs/examples.md](docs/examples.md).\n"
+        f"({big['speedup']:.0f}x). On the XLA path (without a C++ compiler, or "
+        f"with `JAXSLICES_NATIVE=0`; `{Path(xla_name).name}`, run right after"
+        f"{_load(x['environment'])}) a jaxslices step takes "
+        f"{xbig['sparse']['median_step_ms']:.2f} ms, a dense Optax step "
+        f"{xbig['dense']['median_step_ms']:.1f} ms ({xbig['speedup']:.0f}x). "
+        "Details: [docs/examples.md](docs/examples.md).\n"
     )
 
 

@@ -22,6 +22,7 @@ This module is the user's handle on it:
 * :func:`disabled`: run on the XLA path; part of ``jax.jit``'s cache keys,
   so a step traced before is traced again (``JAXSLICES_NATIVE=0`` turns the
   kernels off for a whole process).
+* ``python -m jaxslices.kernels``: build them now and print :func:`status`.
 
 Inside: ``_path`` (path choice: the switch, ``route``, the notes
 ``explain`` reads), ``_ops`` (the ops as primitives, their XLA references),
@@ -62,11 +63,17 @@ def available() -> bool:
 def status() -> str:
     """One line: the kernels are loaded (and from where), or why not.
 
+    Builds and loads them first if no step has yet (as :func:`available`),
+    but does not warn: the line it returns is the message.
+
     Example:
       >>> import jaxslices
       >>> jaxslices.kernels.status().split(":")[0] in ("loaded", "unavailable",
       ...     "disabled by JAXSLICES_NATIVE=0")
       True
+      >>> jaxslices.kernels.status().startswith("loaded: ") == (
+      ...     jaxslices.kernels.available())
+      True
     """
-    _load()
+    _load(warn=False)
     return _status()

@@ -20,8 +20,12 @@ that jaxlib's FFI version; installing jaxslices never needs a compiler.
   ever loads a half-written file.
 * **Without a compiler**, or if the build or the loading fails, jaxslices
   runs the XLA path and says so once (a :class:`KernelsUnavailableWarning`
-  naming the cause); :func:`status` tells the same at any time.
-  ``JAXSLICES_NATIVE=0`` turns the kernels off without a warning.
+  naming the cause, the first time a step or :func:`load` asks for the
+  kernels); :func:`status` tells the same at any time, without warning, and
+  :func:`reason` gives the cause alone. ``JAXSLICES_NATIVE=0`` turns the
+  kernels off: nothing is built and nothing warns.
+* **Command line**: ``python -m jaxslices.kernels`` builds (or finds) the
+  library and prints :func:`status` (``jaxslices/kernels/__main__.py``).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from pathlib import Path
 
 import jax
 
-__all__ = ["KernelsUnavailableWarning", "load", "status", "library_path"]
+__all__ = ["KernelsUnavailableWarning", "library_path", "load", "reason", "status"]
 
 SOURCES = ("common.h", "bag.cc", "rowwise.cc", "apply.cc")
 # FFI target name -> exported handler symbol: each kernel once per ids dtype.
@@ -235,29 +239,32 @@ def enabled_by_env() -> bool:
     return value not in ("0", "false", "off", "no")
 
 
-def load() -> bool:
+def load(*, warn: bool = True) -> bool:
     """Build (once, cached), load and register the kernels; ``True`` if usable.
 
-    On failure, warns once (:class:`KernelsUnavailableWarning`) and returns
-    ``False``: callers then take the XLA path. Thread-safe.
+    ``False`` without building when ``JAXSLICES_NATIVE=0``. On failure,
+    returns ``False`` (callers then take the XLA path) and, with ``warn``,
+    warns once per process (:class:`KernelsUnavailableWarning`, naming the
+    cause); ``warn=False`` (:func:`status`, the command line) leaves the
+    warning to the next caller. Thread-safe.
     """
+    if not enabled_by_env():
+        return False
     st = _STATE
-    if st.done:
-        return st.ok
-    with st.lock:
-        if st.done:
-            return st.ok
-        try:
-            path, why = _build()
-            if path is not None:
-                _register(path)
-                st.path, st.ok, st.reason = path, True, f"loaded from {path}"
-            else:
-                st.reason = why
-        except Exception as e:  # noqa: BLE001 - any failure means "XLA path"
-            st.reason = f"loading the kernels failed: {type(e).__name__}: {e}"
-        st.done = True
-    if not st.ok and not st.warned:
+    if not st.done:
+        with st.lock:
+            if not st.done:
+                try:
+                    path, why = _build()
+                    if path is not None:
+                        _register(path)
+                        st.path, st.ok, st.reason = path, True, str(path)
+                    else:
+                        st.reason = why
+                except Exception as e:  # noqa: BLE001 - any failure means "XLA path"
+                    st.reason = f"loading the kernels failed: {type(e).__name__}: {e}"
+                st.done = True
+    if warn and not st.ok and not st.warned:
         st.warned = True
         warnings.warn(
             "jaxslices: the native CPU kernels are unavailable, so every step "
@@ -270,8 +277,19 @@ def load() -> bool:
     return st.ok
 
 
+def reason() -> str:
+    """Why the kernels do not run, the cause alone; ``""`` when they are loaded.
+
+    :func:`status` is the same with its prefix (``"unavailable: "``), and says
+    "not built yet" before the first :func:`load`.
+    """
+    if not enabled_by_env():
+        return "disabled by JAXSLICES_NATIVE=0"
+    return "" if _STATE.ok else _STATE.reason
+
+
 def status() -> str:
-    """One line on the kernels: loaded (from where), or why not."""
+    """One line on the kernels: ``"loaded: <library path>"``, or why not."""
     if not enabled_by_env():
         return "disabled by JAXSLICES_NATIVE=0: the XLA path runs"
     return ("loaded: " if _STATE.ok else "unavailable: ") + _STATE.reason
@@ -282,11 +300,7 @@ def library_path() -> Path | None:
     return _STATE.path
 
 
-def _main() -> int:  # python -m jaxslices.kernels._build: build and report
-    ok = load()
-    print(status())
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(_main())
+if __name__ == "__main__":  # the command line moved: runpy warned on this name
+    sys.exit(
+        "run `python -m jaxslices.kernels` to build the kernels and see their status"
+    )

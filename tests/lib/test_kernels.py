@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import needs_kernels
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,10 +39,7 @@ pytestmark = [
         reason="the kernels are CPU-only: tests/lib/test_kernels_platform.py "
         "checks that other platforms take the XLA path",
     ),
-    pytest.mark.skipif(
-        not js.kernels.available(),
-        reason=f"needs the native kernels here: {js.kernels.status()}",
-    ),
+    needs_kernels,  # the fallbacks: tests/lib/test_kernels_build.py
 ]
 
 OPTIMIZERS = {
@@ -493,99 +490,6 @@ def test_higher_order_differentiation_through_the_native_path():
     with _xla():
         xla = jax.grad(penalty)(params)
     _assert_trees_close(native, xla)
-
-
-# ------------------------------------------------ install: builds, fallbacks
-
-
-def _run(code: str, env: dict) -> subprocess.CompletedProcess:
-    full = {**os.environ, **env}
-    return subprocess.run(
-        [sys.executable, "-W", "default", "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=full,
-        timeout=600,
-    )
-
-
-_STEP = """
-import jax, jax.numpy as jnp, numpy as np, jaxslices as js
-p = {"emb": jnp.arange(40.0).reshape(10, 4)}
-tx = js.adagrad(0.1)
-def loss(p, ids):
-    return js.embedding_bag(p["emb"], ids).sum()
-@jax.jit
-def step(p, s, ids):
-    u, s = tx.update(js.grad(loss)(p, ids), s, p)
-    return js.apply_updates(p, u), s
-out = step(p, tx.init(p), jnp.array([[1, 1, 3]]))[0]["emb"]
-out = step(p, tx.init(p), jnp.array([[1, 1, 3]]))[0]["emb"]
-print("rows", np.asarray(out[1]).round(4).tolist())
-print("report", js.kernels.explain(step, p, tx.init(p), jnp.array([[1, 2]])).native)
-print("status", js.kernels.status())
-"""
-
-
-def test_without_a_compiler_the_xla_path_runs_and_says_so_once(tmp_path):
-    out = _run(
-        _STEP,
-        {
-            "JAXSLICES_CXX": str(tmp_path / "no-such-compiler"),
-            "JAXSLICES_CACHE_DIR": str(tmp_path / "cache"),
-        },
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "report False" in out.stdout
-    assert "status unavailable: no C++ compiler found" in out.stdout
-    assert out.stderr.count("KernelsUnavailableWarning") == 1, out.stderr
-    ref = _run(_STEP, {})
-    rows = [ln for ln in out.stdout.splitlines() if ln.startswith("rows")]
-    ref_rows = [ln for ln in ref.stdout.splitlines() if ln.startswith("rows")]
-    assert rows == ref_rows, (rows, ref_rows)
-
-
-def test_a_failing_build_falls_back_with_the_compiler_error(tmp_path):
-    fake = tmp_path / "broken-c++"
-    fake.write_text("#!/bin/sh\necho 'fatal: this compiler is broken' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    out = _run(
-        _STEP,
-        {"JAXSLICES_CXX": str(fake), "JAXSLICES_CACHE_DIR": str(tmp_path / "c")},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "report False" in out.stdout
-    assert "this compiler is broken" in out.stdout  # in status()
-
-
-def test_off_by_environment_without_a_warning(tmp_path):
-    out = _run(_STEP, {"JAXSLICES_NATIVE": "0"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "report False" in out.stdout and "disabled by" in out.stdout
-    assert "KernelsUnavailableWarning" not in out.stderr
-
-
-def test_parallel_builds_into_one_fresh_cache(tmp_path):
-    env = {**os.environ, "JAXSLICES_CACHE_DIR": str(tmp_path / "cache")}
-    code = "import jaxslices as js; assert js.kernels.available(); print('ok')"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(3)
-    ]
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=900)
-        assert p.returncode == 0 and "ok" in stdout, stderr[-3000:]
-    libs = list((tmp_path / "cache").glob("libjaxslices_kernels-*.so"))
-    assert len(libs) == 1, libs
-    assert not list((tmp_path / "cache").glob("*.tmp")), "a temporary was left"
 
 
 # -------------------------------------- accelerators: no CPU call in exports

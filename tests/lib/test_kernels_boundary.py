@@ -17,15 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import needs_kernels
 
-import jaxslices as js
 from jaxslices.kernels import _build, _ops
 
 CSRC = Path(_build.__file__).resolve().parent / "csrc"
 
-pytestmark = pytest.mark.skipif(
-    not js.kernels.available(), reason=f"needs the kernels: {js.kernels.status()}"
-)
+pytestmark = needs_kernels
 
 
 def _snake(camel: str) -> str:

@@ -13,13 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import kernel_optimizers, on_both_paths
+from helpers import kernel_optimizers, needs_kernels, on_both_paths
 
 import jaxslices as js
 
-pytestmark = pytest.mark.skipif(
-    not js.kernels.available(), reason=f"needs the kernels: {js.kernels.status()}"
-)
+pytestmark = needs_kernels
 
 OPTIMIZERS = kernel_optimizers()
 

@@ -14,15 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import kernel_optimizers, on_both_paths
+from helpers import kernel_optimizers, needs_kernels, on_both_paths
 
 import jaxslices as js
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 
-pytestmark = pytest.mark.skipif(
-    not js.kernels.available(), reason=f"needs the kernels: {js.kernels.status()}"
-)
+pytestmark = needs_kernels
 
 
 OPTIMIZERS = kernel_optimizers()

@@ -18,22 +18,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import bag_problem
+from helpers import KERNELS_AVAILABLE, KERNELS_STATUS, bag_problem
 
 import jaxslices as js
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 
-needs_kernels = [
-    pytest.mark.skipif(
-        jax.default_backend() != "cpu", reason="the kernels are CPU-only"
-    ),
-    pytest.mark.skipif(
-        not js.kernels.available(),
-        reason=f"needs the native kernels here: {js.kernels.status()}",
-    ),
-]
+needs_kernels = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not KERNELS_AVAILABLE,
+    reason=f"needs the native CPU kernels here: {KERNELS_STATUS}",
+)
 
 
 def _problem(seed=0):
@@ -60,9 +55,7 @@ def _custom_calls(jitted, *args) -> int:
 
 
 def needs(test):
-    for mark in needs_kernels:
-        test = mark(test)
-    return test
+    return needs_kernels(test)
 
 
 @needs

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import bag_problem
+from helpers import KERNELS_AVAILABLE, KERNELS_STATUS, bag_problem
 
 import jaxslices as js
 from jaxslices import slices
@@ -199,8 +199,8 @@ def test_a_rebuild_from_other_leaves_has_no_recipe_and_no_culprit():
 # ------------------------------------------- end to end: the native kernels
 
 needs_kernels = pytest.mark.skipif(
-    jax.default_backend() != "cpu" or not js.kernels.available(),
-    reason=f"needs the native CPU kernels here: {js.kernels.status()}",
+    jax.default_backend() != "cpu" or not KERNELS_AVAILABLE,
+    reason=f"needs the native CPU kernels here: {KERNELS_STATUS}",
 )
 
 TX = js.rowwise_adagrad(0.1)

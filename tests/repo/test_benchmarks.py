@@ -6,6 +6,7 @@ import inspect
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -455,3 +456,84 @@ def test_sgd_duplicates_bench_smoke(bench, tmp_path):
     accuracy = report["accuracy_1000_duplicates_of_minus_1e-8_on_1"]
     assert accuracy["in_turn"] == 1.0 and accuracy["summed_first"] < 1.0
     assert (tmp_path / "sgd_duplicates_bench_cpu.json").exists()
+
+
+def _edits_sys_path(tree: ast.AST) -> list[int]:
+    """Lines that change ``sys.path`` (a call on it, or an assignment to it)."""
+    lines = []
+    for node in ast.walk(tree):
+        target = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = node.func.value  # sys.path.insert(...), .append(...)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            target = next((t for t in targets if isinstance(t, ast.Attribute)), None)
+        if (
+            isinstance(target, ast.Attribute)
+            and target.attr == "path"
+            and isinstance(target.value, ast.Name)
+            and target.value.id == "sys"
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_script_edits_sys_path():
+    """Benchmarks and examples import what they need as their command line runs them.
+
+    ``python benchmarks/<script>.py`` (``examples/``) puts the script's folder
+    on ``sys.path``; what lives elsewhere comes through ``benchmarks/_repo.py``,
+    child processes get a ``PYTHONPATH``.
+    """
+    assert _edits_sys_path(ast.parse("import sys\nsys.path.insert(0, 'x')")) == [2]
+    assert _edits_sys_path(ast.parse("import sys\nsys.path += ['x']")) == [2]
+    root = BENCH.parent
+    found = {
+        str(path.relative_to(root)): lines
+        for folder in ("benchmarks", "examples")
+        for path in sorted((root / folder).glob("*.py"))
+        if (lines := _edits_sys_path(ast.parse(path.read_text())))
+    }
+    assert not found, f"these edit sys.path (file: lines): {found}"
+
+
+@pytest.mark.parametrize(
+    "script",
+    ["scale_bench", "plan_scale_bench", "dlrm_bench", "checks_cost", "step_bench"],
+)
+def test_scripts_start_from_their_command_line(tmp_path, script):
+    """``python benchmarks/<script>.py --help`` outside the repository: imports work."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run(
+        [sys.executable, str(BENCH / f"{script}.py"), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,  # not the repository: its root is not on sys.path
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0 and "usage:" in run.stdout, run.stderr[-3000:]
+
+
+def test_repo_modules_load_without_the_root_on_sys_path(tmp_path):
+    code = (
+        "import sys, _repo; "
+        "hlo = _repo.load('tools.hlo'); synth = _repo.load('examples.criteo_synth'); "
+        "assert not any(p.rstrip('/') == str(_repo.ROOT) for p in sys.path), sys.path; "
+        "print(hlo.__file__); print(synth.__file__)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(BENCH)}
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    root = BENCH.parent.resolve()
+    assert run.stdout.split() == [
+        str(root / "tools" / "hlo.py"),
+        str(root / "examples" / "criteo_synth.py"),
+    ]

@@ -18,6 +18,7 @@ import _mesh
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import needs_kernels
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -25,9 +26,7 @@ import jaxslices as js
 
 V, D, B, L = 64, 4, 16, 3
 
-pytestmark = pytest.mark.skipif(
-    not js.kernels.available(), reason=f"needs the kernels: {js.kernels.status()}"
-)
+pytestmark = needs_kernels
 
 
 def _bag_loss(params, ids, y):
