@@ -172,5 +172,5 @@ def _why_not(arrays: tuple[Any, ...], dtypes: tuple[Any, ...]) -> str | None:
                     "per device)"
                 )
     if not _build.load():
-        return f"the kernels are unavailable: {_build.status()}"
+        return f"the kernels are unavailable: {_build.reason()}"
     return None

@@ -81,12 +81,6 @@ def test_without_a_compiler_the_xla_path_runs_and_says_so_once(tmp_path):
     assert _rows(out) == _rows(ref) and _rows(out), (out.stdout, ref.stdout)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="jaxslices/kernels/_ops.py's _why_not quotes _build.status() (with its "
-    "'unavailable: ' prefix) after its own 'the kernels are unavailable: '; it "
-    "needs _build.reason(), then this marker goes",
-)
 def test_explain_names_the_cause_once(tmp_path):
     env = {
         "JAXSLICES_CXX": str(tmp_path / "none"),
