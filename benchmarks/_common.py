@@ -83,6 +83,32 @@ def summary(times: list[float]) -> dict[str, float]:
     }
 
 
+def timed_report(
+    env: dict[str, Any],
+    workload: dict[str, Any],
+    times: dict[str, list[float]],
+    **extra,
+) -> dict[str, Any]:
+    """A micro-benchmark's JSON: where it ran (load at start and end), what, times."""
+    return {
+        "environment": {**env, "load_avg_1m_end": environment()["load_avg_1m"]},
+        "workload": workload,
+        "ms": {name: summary(t) for name, t in times.items()},
+        **extra,
+    }
+
+
+def rows_passes_out(doc: str | None) -> Any:
+    """The command line of a kernel micro-benchmark: --num-rows, --passes, --out."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    parser.add_argument("--num-rows", type=int, default=1 << 20)
+    parser.add_argument("--passes", type=int, default=10)
+    parser.add_argument("--out", default=None)
+    return parser.parse_args()
+
+
 def rss_mb() -> dict[str, float]:
     """Current and peak resident set size of this process, in MB (Linux)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -17,13 +17,12 @@ benchmarks/results/2026-11-cpu-native``.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import environment, interleave, save_json, summary
+from _common import environment, interleave, rows_passes_out, save_json, timed_report
 
 import jaxslices as js
 
@@ -82,9 +81,9 @@ def main(
         fns[name] = run
     env = environment()
     times = interleave(fns, steps, passes)
-    result = {
-        "environment": {**env, "load_avg_1m_end": environment()["load_avg_1m"]},
-        "workload": {
+    result = timed_report(
+        env,
+        {
             "num_rows": num_rows,
             "dim": dim,
             "batch": batch,
@@ -94,19 +93,15 @@ def main(
             "steps": steps,
             "passes": passes,
         },
-        "ms": {name: summary(t) for name, t in times.items()},
-        "kernels_read": reads,
-    }
+        times,
+        kernels_read=reads,
+    )
     save_json(result, out, "pooled_form_bench_cpu.json")
     return result
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-rows", type=int, default=1 << 20)
-    parser.add_argument("--passes", type=int, default=10)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = rows_passes_out(__doc__)
     result = main(num_rows=args.num_rows, passes=args.passes, out=args.out)
     for name, s in result["ms"].items():
         print(f"{name:18s} {s}  materialised reads: {result['kernels_read'][name]}")

@@ -19,13 +19,12 @@ benchmarks/results/2026-11-cpu-native``.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import environment, interleave, save_json, summary
+from _common import environment, interleave, rows_passes_out, save_json, timed_report
 
 
 def main(
@@ -86,9 +85,9 @@ def main(
         for name, flag in (("in_turn", False), ("summed_first", True))
     }
     accuracy["exact"] = 1.0 - 1000 * 1e-8
-    report = {
-        "environment": {**env, "load_avg_1m_end": environment()["load_avg_1m"]},
-        "workload": {
+    report = timed_report(
+        env,
+        {
             "num_rows": num_rows,
             "dim": dim,
             "batch": batch,
@@ -99,19 +98,15 @@ def main(
             "steps": steps,
             "passes": passes,
         },
-        "ms": {name: summary(t) for name, t in times.items()},
-        "accuracy_1000_duplicates_of_minus_1e-8_on_1": accuracy,
-    }
+        times,
+        **{"accuracy_1000_duplicates_of_minus_1e-8_on_1": accuracy},
+    )
     save_json(report, out, "sgd_duplicates_bench_cpu.json")
     return report
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-rows", type=int, default=1 << 20)
-    parser.add_argument("--passes", type=int, default=10)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = rows_passes_out(__doc__)
     result = main(num_rows=args.num_rows, passes=args.passes, out=args.out)
     for name, s in result["ms"].items():
         print(name, s)
