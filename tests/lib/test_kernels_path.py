@@ -54,8 +54,7 @@ def _custom_calls(jitted, *args) -> int:
     return len(re.findall(r'custom_call_target="jaxslices_', text))
 
 
-def needs(test):
-    return needs_kernels(test)
+needs = needs_kernels
 
 
 @needs
