@@ -22,11 +22,14 @@ This module is the user's handle on it:
 * :func:`disabled`: run on the XLA path; part of ``jax.jit``'s cache keys,
   so a step traced before is traced again (``JAXSLICES_NATIVE=0`` turns the
   kernels off for a whole process).
+* :func:`threads` / :func:`default_threads`: the threads of XLA's CPU pool a
+  kernel call uses (results are the same whatever the count).
 * ``python -m jaxslices.kernels``: build them now and print :func:`status`.
 
 Inside: ``_path`` (path choice: the switch, ``route``, the notes
 ``explain`` reads), ``_ops`` (the ops as primitives, their XLA references),
-``_build`` (compile, cache, load), ``_explain``.
+``_build`` (compile, cache, load), ``_threads`` (the thread setting),
+``_explain``.
 """
 
 from __future__ import annotations
@@ -36,16 +39,19 @@ from ._build import load as _load
 from ._build import status as _status
 from ._explain import Report, explain
 from ._path import Decision, disabled
+from ._threads import default_threads, threads
 
 __all__ = [
     "Decision",
     "KernelsUnavailableWarning",
     "Report",
     "available",
+    "default_threads",
     "disabled",
     "explain",
     "library_path",
     "status",
+    "threads",
 ]
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from . import _build
+from . import _build, _threads
 from ._ops import NATIVE_OPS
 from ._path import MARKER, MATERIALISED, Decision
 
@@ -32,11 +32,14 @@ class Report:
         ``op`` (what was called, with the leaf), ``native`` and ``reason``.
       native_calls: native kernel calls in the lowered step.
       status: :func:`jaxslices.kernels.status` at the time.
+      threads: the threads a native kernel call of the step uses
+        (:func:`jaxslices.kernels.threads`), in words.
     """
 
     decisions: tuple[Decision, ...]
     native_calls: int
     status: str
+    threads: str = ""
 
     @property
     def native(self) -> bool:
@@ -58,6 +61,8 @@ class Report:
                 path = f"native, {d.materialised}"
             lines.append(f"  {d.op}: {path}")
         lines.append(f"native kernel calls in the compiled step: {self.native_calls}")
+        if self.native_calls and self.threads:
+            lines.append(f"threads: {self.threads}")
         return "\n".join(lines)
 
 
@@ -163,4 +168,5 @@ def explain(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     )
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     decisions = _decisions(jaxpr, per_device=calls > 0)
-    return Report(tuple(decisions), calls, _build.status())
+    threads = _threads.describe() if calls else ""
+    return Report(tuple(decisions), calls, _build.status(), threads)

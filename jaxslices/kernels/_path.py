@@ -34,7 +34,13 @@ import numpy as np
 from .. import _jax_compat
 from . import _build
 
-__all__ = ["Decision", "disabled", "note", "note_materialised", "route"]
+__all__ = [
+    "Decision",
+    "disabled",
+    "note",
+    "note_materialised",
+    "route",
+]
 
 # ------------------------------------------------------------ the switch
 
