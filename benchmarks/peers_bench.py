@@ -18,6 +18,13 @@ Configurations, each in its own child process:
   ``torch.set_num_threads(1)`` / ``(2)``: FBGEMM's
   ``SplitTableBatchedEmbeddingBagsCodegen`` (host table, CPU compute), its
   optimizer fused into ``loss.backward()``.
+* ``native_1thread``: ``native`` with ``JAXSLICES_THREADS=1`` (the kernels
+  on the calling thread; XLA's own ops still use its pool).
+* ``native_1core``, ``fbgemm_1core``: ``native`` and ``fbgemm_1thread``
+  pinned to one core with ``taskset -c 0`` (XLA's thread pool, and so the
+  kernels, then have one thread; issue 39's one-core and two-core goals
+  compare ``native`` with ``native_1core`` and ``native_1core`` with
+  ``fbgemm_1core``).
 * ``xla``, ``native``: this script's ``--worker`` mode with
   ``JAXSLICES_NATIVE=0`` / ``=1``: ``jax.jit(step, donate_argnums=(0, 1))`` of
   ``jaxslices.value_and_grad`` (``jaxslices.embedding_bag`` on padded
@@ -82,9 +89,22 @@ from _common import (
     save_json,
 )
 
-CONFIGS = ("fbgemm_1thread", "fbgemm_2threads", "xla", "native")
-FBGEMM_THREADS = {"fbgemm_1thread": 1, "fbgemm_2threads": 2}
-NATIVE_ENV = {"xla": "0", "native": "1"}
+CONFIGS = (
+    "fbgemm_1thread",
+    "fbgemm_2threads",
+    "xla",
+    "native",
+    "native_1thread",
+    "native_1core",
+    "fbgemm_1core",
+)
+FBGEMM_THREADS = {"fbgemm_1thread": 1, "fbgemm_2threads": 2, "fbgemm_1core": 1}
+NATIVE_ENV = {"xla": "0", "native": "1", "native_1thread": "1", "native_1core": "1"}
+#: ``JAXSLICES_THREADS`` of a configuration (unset: XLA's pool, one per CPU).
+NATIVE_THREADS = {"native_1thread": "1"}
+#: Configurations pinned to one core (``taskset -c 0``): XLA's pool then has
+#: one thread, and so have the kernels.
+PINNED = ("native_1core", "fbgemm_1core")
 REFERENCE = "fbgemm_1thread"
 HERE = Path(__file__).resolve().parent
 #: Largest relative difference of the check losses before they "disagree".
@@ -232,9 +252,14 @@ def _start(
             f"--check-steps={a['check_steps']}", f"--warmup={a['warmup']}",
         ]  # fmt: skip
         env = {**os.environ, "JAXSLICES_NATIVE": NATIVE_ENV[config]}
+        env.pop("JAXSLICES_THREADS", None)
+        if config in NATIVE_THREADS:
+            env["JAXSLICES_THREADS"] = NATIVE_THREADS[config]
         env["JAX_PLATFORMS"] = "cpu"  # FBGEMM runs on the CPU: so does JAX
     if a["keep_freed_memory"]:
         env.update(MALLOC_ENV)
+    if config in PINNED:
+        cmd = ["taskset", "-c", "0", *cmd]
     return Worker(config, cmd, env, log)
 
 

@@ -97,6 +97,10 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "2026-11-cpu-native/dlrm_bench_cpu_xla.json",
     ),
     "kernels-soak": ("2026-11-cpu-native/soak_bench_cpu.json",),
+    "kernels-threads": (
+        "2026-11-cpu-threads/peers_bench_cpu.json",
+        "2026-11-cpu-threads/threads_bench_cpu.json",
+    ),
     "kernels-sgd-duplicates": ("2026-11-cpu-native/sgd_duplicates_bench_cpu.json",),
     "donation": (
         "2026-11-cpu-donation/step_bench_cpu.json",
@@ -995,6 +999,108 @@ def kernels_sgd_duplicates() -> str:
     )
 
 
+#: Issue 39's goals (V = 1M and 128K; peers workload): one core, native <=
+#: 0.8x FBGEMM's step (both pinned); both cores, native <= 0.65x its own
+#: one-core step (V = 1M) and faster than FBGEMM with 2 threads.
+THREADS_GOALS = {"one_core": 0.8, "two_cores": 0.65}
+_THREAD_CONFIGS = {
+    "native": "native, 2 cores (default threads)",
+    "native_1thread": "native, kernels on 1 thread",
+    "native_1core": "native, pinned to 1 core",
+    "fbgemm_1core": "FBGEMM, pinned to 1 core",
+    "fbgemm_2threads": "FBGEMM, 2 threads",
+}
+
+
+def _repeat_ratio(rows: dict, key: tuple, a: str, b: str) -> float | None:
+    """Median over repeats of a/b, each measured within one repeat."""
+    ra, rb = rows.get((*key, a)), rows.get((*key, b))
+    if ra is None or rb is None:
+        return None
+    pairs = zip(ra["repeats"], rb["repeats"], strict=True)
+    return statistics.median(x["median_ms"] / y["median_ms"] for x, y in pairs)
+
+
+def kernels_threads() -> str:
+    """docs/kernels.md: the kernels on 1 and 2 cores, and FBGEMM (peers_bench)."""
+    peers, micro = SOURCES["kernels-threads"]
+    d = load(peers)
+    env, load_, st = d["environment"], d["load_avg_1m"], d["settings"]
+    rows = {(r["optimizer"], r["num_rows"], r["config"]): r for r in d["rows"]}
+    keys = sorted({(o, v) for o, v, _ in rows}, key=lambda k: (k[1], k[0]))
+    configs = [c for c in _THREAD_CONFIGS if any(k[2] == c for k in rows)]
+    head = ["optimizer", "V", *[_THREAD_CONFIGS[c] for c in configs]]
+    head += ["2 cores / 1 core", "1 core: native / FBGEMM", "2 cores: native / FBGEMM"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    goals = []
+    for opt, v in keys:
+        cells = [opt.replace("_", " "), _rows_label(v)]
+        for c in configs:
+            r = rows.get((opt, v, c))
+            cells.append("-" if r is None else f"{r['median_ms']:.2f}")
+        two = _repeat_ratio(rows, (opt, v), "native", "native_1core")
+        one = _repeat_ratio(rows, (opt, v), "native_1core", "fbgemm_1core")
+        vs2 = _repeat_ratio(rows, (opt, v), "native", "fbgemm_2threads")
+        for x in (two, one, vs2):
+            cells.append("-" if x is None else f"{x:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+        name = f"{opt.replace('_', ' ')}, {_rows_label(v)}"
+        if one is not None:
+            ok = one <= THREADS_GOALS["one_core"]
+            goals.append(
+                f"{name}: one core, native / FBGEMM {one:.2f}x (goal <= "
+                f"{THREADS_GOALS['one_core']}x: {'met' if ok else '**missed**'})"
+            )
+        if two is not None and v >= 1 << 20:
+            ok = two <= THREADS_GOALS["two_cores"]
+            goals.append(
+                f"{name}: 2 cores / 1 core {two:.2f}x (goal <= "
+                f"{THREADS_GOALS['two_cores']}x: {'met' if ok else '**missed**'})"
+            )
+        if vs2 is not None:
+            goals.append(
+                f"{name}: 2 cores, native / FBGEMM 2 threads {vs2:.2f}x "
+                f"({'faster' if vs2 < 1 else '**not faster**'})"
+            )
+    m = load(micro)
+    ms = m["settings"]
+    crossings = []
+    for kernel in ("bag_forward", "rowwise_adagrad", "sgd_apply"):
+        res = [r for r in m["results"] if r["workload"]["kernel"] == kernel]
+        cells = ", ".join(
+            f"{r['workload']['ids']:,}: {r['ratio_to_1_thread']['2']:.2f}x" for r in res
+        )
+        crossings.append(f"* {kernel.replace('_', ' ')}: {cells}")
+    return "\n".join(
+        [
+            f"`benchmarks/results/{peers}`: {env['nproc']} shared CPU cores "
+            f"({env['cpu']}), jax {env['jax']}, load average (1 min) "
+            f"{load_['min']:.1f} to {load_['max']:.1f}; the peers workload "
+            f"({st.get('batch')} bags x {st.get('bag')} Zipf ids, mean pooling, "
+            "a linear head, donated); each configuration in its own process, "
+            "taking turns; cells: median wall ms per step, medians over the "
+            "sweeps; ratios: medians of ratios measured within one sweep.",
+            "",
+            *lines,
+            "",
+            *[f"* {g}" for g in goals],
+            "",
+            f"Command: `{d['command']}`.",
+            "",
+            "Each kernel call alone, 2 threads / 1 thread (median times, "
+            f"interleaved; V = {ms['num_rows']:,} x {ms['dim']}; ids per call: "
+            f"ratio; `benchmarks/results/{micro}`, load average "
+            f"{m['environment']['load_avg_1m']:.1f} to "
+            f"{m['environment']['load_avg_1m_end']:.1f}):",
+            "",
+            *crossings,
+            "",
+            f"Command: `{m['command']}`.",
+            "",
+        ]
+    )
+
+
 def results_sources() -> str:
     """benchmarks/results/README.md: which run each generated block quotes."""
     lines = ["| block | quoted in | results files |", "| --- | --- | --- |"]
@@ -1010,6 +1116,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "readme-kernels": readme_kernels,
     "kernels-dlrm": kernels_dlrm,
     "kernels-soak": kernels_soak,
+    "kernels-threads": kernels_threads,
     "kernels-sgd-duplicates": kernels_sgd_duplicates,
     "kernels-peers": kernels_peers,
     "kernels-floor": kernels_floor,

@@ -31,6 +31,10 @@ import numpy as np
 from .. import _jax_compat
 from . import _build, _path, _threads
 
+# The attributes every kernel takes besides its own: the threads it may use
+# and the batch size below which it uses one (kernels._threads).
+THREAD_ATTRS = {"threads": np.int64, "min_slots": np.int64}
+
 # The ids dtypes the kernels are registered for, and their target suffixes.
 ID_SUFFIXES = {np.dtype(np.int32): "s32", np.dtype(np.int64): "s64"}
 
@@ -58,7 +62,8 @@ class NativeOp:
       reference: ``(*operands, **params) -> list of outputs``, in jax.numpy.
       abstract: ``(*avals, **params) -> list of output avals``.
       aliases: operand index -> output index written in place.
-      attrs: the kernel's FFI attributes: param name -> numpy scalar type.
+      attrs: the kernel's FFI attributes: param name -> numpy scalar type
+        (``THREAD_ATTRS`` added).
       ids_operand: the index of the ids operand (it picks the target).
       jvp: a JVP rule of the primitive (default: the reference's).
     """
@@ -75,7 +80,9 @@ class NativeOp:
         jvp: Callable[..., Any] | None = None,
     ):
         self.name, self.target = name, name
-        self.reference, self.aliases, self.attrs = reference, aliases, attrs
+        self.reference, self.aliases = reference, aliases
+        # Every kernel also takes the thread setting, read when it is lowered.
+        self.attrs = {**attrs, **THREAD_ATTRS}
         self.ids_operand = ids_operand
         if not _jax_compat.AVAILABLE["ffi_primitive"]:  # pragma: no cover
             self.prim = None
@@ -118,9 +125,9 @@ class NativeOp:
         # op call inside ``disabled()`` lowers to its reference too.
         native = _path._enabled() and per_device
         if params["fallback"] is None and native and _build.load():
-            attrs = {k: kind(params[k]) for k, kind in self.attrs.items()}
             threads, min_slots = _threads.thread_setting()
-            attrs.update(threads=np.int64(threads), min_slots=np.int64(min_slots))
+            values = {**params, "threads": threads, "min_slots": min_slots}
+            attrs = {k: kind(values[k]) for k, kind in self.attrs.items()}
             ids_dtype = ctx.avals_in[self.ids_operand].dtype
             rule = jax.ffi.ffi_lowering(
                 target_name(self.target, ids_dtype),

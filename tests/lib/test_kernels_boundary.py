@@ -181,6 +181,8 @@ def test_typed_buffers_refuse_a_wrong_dtype_or_rank():
         "coalesced": np.bool_(False),
         "sum_duplicates": np.bool_(False),
         "length": np.int64(0),
+        "threads": np.int64(0),
+        "min_slots": np.int64(0),
     }
     ids = jnp.array([1, 2], jnp.int32)
     none_i, none_f = jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.float32)

@@ -537,7 +537,47 @@ int64_t CoalesceParallel(const Recipe<Id>& r, int64_t num_rows,
   return count;
 }
 
+
 // Slots [lo, hi) of `n` in the unit u of `units` (contiguous ranges).
 inline int64_t UnitBegin(int64_t u, int64_t units, int64_t n) { return u * n / units; }
+
+// Coalesce of distinct ids (coalesced) on `threads` threads: ranges of
+// slots, each starting at the output row its first valid slot takes.
+template <typename Id, typename OnRow>
+int64_t CoalescedParallel(const Recipe<Id>& r, int64_t num_rows,
+                          int64_t capacity, float* rows, Id* uids,
+                          int64_t* total, const Threads& t, int64_t threads,
+                          OnRow&& on_row) {
+  const int64_t n = r.num_slots, units = UnitsFor(threads, n);
+  std::vector<int32_t>& first_row = ThreadScratch<int32_t, kParts>();
+  if (static_cast<int64_t>(first_row.size()) < units + 1) first_row.resize(units + 1);
+  int64_t count = 0;
+  for (int64_t u = 0; u < units; ++u) {
+    first_row[u] = static_cast<int32_t>(count);
+    for (int64_t s = UnitBegin(u, units, n); s < UnitBegin(u + 1, units, n); ++s) {
+      Id id = r.ids[s];
+      count += (id >= 0 && id < num_rows);
+    }
+  }
+  *total = count;
+  if (count > capacity) return -1;
+  ParallelFor(t, threads, units, [&](int64_t u) {
+    const int64_t lo = UnitBegin(u, units, n), hi = UnitBegin(u + 1, units, n);
+    auto rows_of = r.cursor_at(lo);
+    int64_t j = first_row[u];
+    for (int64_t s = lo; s < hi; ++s) {
+      const float* x = rows_of.next();
+      Id id = r.ids[s];
+      if (id < 0 || id >= num_rows) continue;
+      uids[j] = id;
+      float* acc = rows + j * r.row;
+      if (x) Axpy(acc, x, r.factor(s), r.row, true);
+      else std::memset(acc, 0, sizeof(float) * r.row);
+      on_row(j);
+      ++j;
+    }
+  });
+  return count;
+}
 
 }  // namespace jaxslices

@@ -242,7 +242,10 @@ static void Rowwise(const Recipe<IdT>& r, Rule rule, const Ctx& c,
     rule_of(j);
   };
   int64_t count;
-  if (coalesced) {
+  if (coalesced && threads > 1) {
+    count = CoalescedParallel(r, num_rows, capacity, rows, uids, &total, t,
+                              threads, rule_of);
+  } else if (coalesced) {
     count = Coalesce(r, num_rows, true, capacity, rows, uids, &total, rule_of);
   } else if (threads > 1) {
     count = CoalesceParallel(r, num_rows, capacity, rows, uids, &total, t,
