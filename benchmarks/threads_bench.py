@@ -111,9 +111,11 @@ def main(
             fns[f"{n}"] = run
         times = interleave(fns, steps, passes)
         rep = timed_report(env, {"kernel": kernel, "bags": b, "ids": b * bag}, times)
-        base = rep["ms"][str(threads[0])]["median"]
+        base = rep["ms"][str(threads[0])]["median_ms"]
         rep["ratio_to_1_thread"] = {
-            k: v["median"] / base for k, v in rep["ms"].items() if k != str(threads[0])
+            k: v["median_ms"] / base
+            for k, v in rep["ms"].items()
+            if k != str(threads[0])
         }
         results.append(rep)
         bar.update(1)

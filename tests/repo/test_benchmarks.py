@@ -471,6 +471,20 @@ def test_sgd_duplicates_bench_smoke(bench, tmp_path):
     assert (tmp_path / "sgd_duplicates_bench_cpu.json").exists()
 
 
+@pytest.mark.skipif(not KERNELS_AVAILABLE, reason="times the native kernels")
+def test_threads_bench_smoke(bench, tmp_path):
+    report = bench("threads_bench").main(
+        num_rows=256, dim=4, bags=(2, 4), bag=4, num_batches=2, steps=2, passes=1,
+        out=str(tmp_path),
+    )  # fmt: skip
+    got = {(r["workload"]["kernel"], r["workload"]["bags"]) for r in report["results"]}
+    assert got == {(k, b) for k in ("bag_forward", "rowwise_adagrad", "sgd_apply")
+                   for b in (2, 4)}  # fmt: skip
+    assert all(set(r["ratio_to_1_thread"]) == {"2"} for r in report["results"])
+    assert (tmp_path / "threads_bench_cpu.json").exists()
+    assert (tmp_path / "threads_bench_cpu.png").exists()
+
+
 def _edits_sys_path(tree: ast.AST) -> list[int]:
     """Lines that change ``sys.path`` (a call on it, or an assignment to it)."""
     lines = []
