@@ -22,10 +22,14 @@ This module is the user's handle on it:
 * :func:`disabled`: run on the XLA path; part of ``jax.jit``'s cache keys,
   so a step traced before is traced again (``JAXSLICES_NATIVE=0`` turns the
   kernels off for a whole process).
+* :func:`gpu_kernels`: on a GPU, run the embedding bag, the optimizers'
+  rules and the update as Pallas kernels instead of XLA's generic ops
+  (opt-in: not measured on a GPU yet; part of ``jax.jit``'s cache keys).
 * ``python -m jaxslices.kernels``: build them now and print :func:`status`.
 
 Inside: ``_path`` (path choice: the switch, ``route``, the notes
 ``explain`` reads), ``_ops`` (the ops as primitives, their XLA references),
+``_pallas`` (their Pallas GPU kernels),
 ``_build`` (compile, cache, load), ``_explain``.
 """
 
@@ -35,7 +39,7 @@ from ._build import KernelsUnavailableWarning, library_path
 from ._build import load as _load
 from ._build import status as _status
 from ._explain import Report, explain
-from ._path import Decision, disabled
+from ._path import Decision, disabled, gpu_kernels
 
 __all__ = [
     "Decision",
@@ -44,6 +48,7 @@ __all__ = [
     "available",
     "disabled",
     "explain",
+    "gpu_kernels",
     "library_path",
     "status",
 ]

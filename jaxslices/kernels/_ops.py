@@ -42,6 +42,7 @@ import numpy as np
 
 from .. import _coalesce, _jax_compat, _strict
 from .._recipe import Recipe, flat_rows
+from . import _pallas
 from ._primitive import NativeOp, check_ids_dtype
 
 # ---------------------------------------------------- the primitive seam
@@ -139,6 +140,7 @@ _BAG = NativeOp(
     },
     ids_operand=1,
     jvp=_bag_jvp,
+    gpu=_pallas.bag_forward,
 )
 
 
@@ -312,6 +314,7 @@ _ROWWISE = NativeOp(
         "num_rows": np.int64,
     },
     ids_operand=1,
+    gpu=_pallas.rowwise,
 )
 
 
@@ -410,6 +413,7 @@ _APPLY = NativeOp(
         "length": np.int64,
     },
     ids_operand=2,
+    gpu=_pallas.apply,
 )
 
 
