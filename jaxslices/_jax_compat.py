@@ -959,18 +959,24 @@ def native_out_aval(shape: tuple[int, ...], dtype: Any, avals_in: Any) -> Any:
 
 
 def gpu_target(device_kind: str = "NVIDIA H200") -> Any:
-    """A context in which Pallas GPU kernels lower on a host without a GPU.
+    """A context in which the Pallas GPU kernels lower on a host without a GPU.
 
-    Entry ``pallas_gpu``. On JAX 0.12 Pallas asks the GPU it lowers for
-    (its compute capability) when a kernel is lowered; a host without one
-    names it with an abstract device (``jax.sharding.AbstractDevice`` of a
-    one-device ``AbstractMesh``, set by ``use_abstract_mesh``), e.g. to
-    export a step for ``cuda``. JAX 0.10 lowers without one: there (and
-    without the entry) the context does nothing.
+    Entry ``pallas_gpu``. On JAX 0.12, Pallas asks the GPU it lowers a
+    kernel for (its compute capability); on a host without one (a CPU
+    machine exporting a step for ``cuda`` with :func:`jax.export.export`
+    inside :func:`jaxslices.kernels.gpu_kernels`) this names it: an
+    abstract device of ``device_kind`` (``jax.sharding.AbstractDevice`` on a
+    one-device ``AbstractMesh``, set by ``jax.sharding.use_abstract_mesh``).
+    JAX 0.10's Pallas lowers without one (for compute capability 9.0) and
+    does not read it; without Pallas it does nothing. Served as
+    ``jaxslices.kernels.gpu_target``.
+
+    Args:
+      device_kind: the GPU, as JAX names its device kind (``"NVIDIA H100"``).
 
     Example:
-      >>> import jax, jax.numpy as jnp
-      >>> with gpu_target():
+      >>> import jax, jax.numpy as jnp, jaxslices
+      >>> with jaxslices.kernels.gpu_target("NVIDIA H100"):
       ...     y = jax.jit(lambda x: x + 1)(jnp.ones(2))
     """
     import contextlib

@@ -24,7 +24,9 @@ This module is the user's handle on it:
   kernels off for a whole process).
 * :func:`gpu_kernels`: on a GPU, run the embedding bag, the optimizers'
   rules and the update as Pallas kernels instead of XLA's generic ops
-  (opt-in: not measured on a GPU yet; part of ``jax.jit``'s cache keys).
+  (opt-in: not measured on a GPU yet; part of ``jax.jit``'s cache keys);
+  :func:`gpu_target`: the GPU to lower them for on a host without one
+  (``jax.export`` for ``cuda``).
 * ``python -m jaxslices.kernels``: build them now and print :func:`status`.
 
 Inside: ``_path`` (path choice: the switch, ``route``, the notes
@@ -35,6 +37,7 @@ Inside: ``_path`` (path choice: the switch, ``route``, the notes
 
 from __future__ import annotations
 
+from .._jax_compat import gpu_target
 from ._build import KernelsUnavailableWarning, library_path
 from ._build import load as _load
 from ._build import status as _status
@@ -49,6 +52,7 @@ __all__ = [
     "disabled",
     "explain",
     "gpu_kernels",
+    "gpu_target",
     "library_path",
     "status",
 ]

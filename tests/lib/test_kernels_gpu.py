@@ -426,6 +426,7 @@ def test_cuda_export_carries_the_gpu_kernels_when_opted_in(monkeypatch):
         "jaxslices_gpu_rowwise_adam",
         "jaxslices_gpu_apply",
     }, names
+    assert len(_explain._GPU_CALL.findall(text)) == 3  # what explain counts
     # By default (not opted in), no kernel: the XLA path.
     assert "xla.gpu.triton" not in _export(step, args, "cuda", monkeypatch)
 
