@@ -9,8 +9,9 @@ table onto every device), under ``jax.vmap`` (the batching rule vmaps the
 reference) and under differentiation (the JVP rule differentiates the
 reference; the forward bag writes its own). On one CPU device, and inside
 ``shard_map`` (every mesh axis manual: the kernel runs on each device's own
-shard), it lowers to the FFI custom call. A Pallas kernel for GPU or TPU
-would be one more lowering rule here: this is the seam.
+shard), it lowers to the FFI custom call; on a GPU, inside
+:func:`jaxslices.kernels.gpu_kernels` (opt-in), to its Pallas kernel
+(``_pallas.py``). A TPU kernel would be one more lowering rule: the seam.
 
 Three ops (``csrc/`` holds their kernels):
 

@@ -1,7 +1,8 @@
 """Path choice: does an operation run its native kernel or the XLA path, and why.
 
 Every jaxslices operation with a kernel asks :func:`route` when it is traced
-(the kernels are on and load, the platform is the CPU, float32 arrays, not
+(the kernels are on and load, the platform is the CPU, or a GPU inside
+:func:`gpu_kernels` with rows of a power-of-two width, float32 arrays, not
 under ``jax.vmap``, not laid out over a mesh by ``jit``), or records with
 :func:`note` why it takes the XLA path by itself. Each decision is written
 into the traced jaxpr as a marker primitive that computes nothing, so that

@@ -16,6 +16,7 @@ kernels'. The exports check that a step exported for ``cuda`` inside
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -42,16 +43,20 @@ def interpreted(monkeypatch):
     """The native ops lower to their Pallas kernels in interpret mode on the CPU.
 
     ``_build.load`` answers ``True`` so that the path choice takes the
-    native path without the C++ kernels (which are then never called).
+    native path without the C++ kernels (which are then never called). JAX's
+    caches are cleared on the way in and out, so that no step lowered with
+    one rule is reused under the other (in this test or a later one).
     """
     mlir = _jax_compat.mlir
     monkeypatch.setattr(_build, "load", lambda *a, **k: True)
+    jax.clear_caches()
     for op in OPS:
         impl = functools.partial(op.gpu, interpret=True)
         mlir.register_lowering(op.prim, _pallas.lower(impl), platform="cpu")
     yield
     for op in OPS:
         mlir.register_lowering(op.prim, op._cpu_lowering, platform="cpu")
+    jax.clear_caches()
 
 
 def _assert_close(a, b):
@@ -441,3 +446,17 @@ def test_tpu_export_is_unchanged(monkeypatch):
         assert "custom_call @tpu_custom_call" not in text
     ops = functools.partial(re.findall, r"\b(?:stablehlo|func|chlo|sdy)\.\w+")
     assert ops(default) == ops(opted) and len(ops(default)) > 50
+
+
+def test_without_pallas_the_ops_lower_to_xla_and_route_says_why(monkeypatch):
+    """The ``pallas_gpu`` entry of ``_jax_compat`` taken away: its fallback."""
+    step, args = _step_and_args()
+    monkeypatch.setitem(_jax_compat.AVAILABLE, "pallas_gpu", False)
+    with js.kernels.gpu_kernels():
+        text = _export(step, args, "cuda", monkeypatch)
+        assert "@jaxslices_" not in text and "triton" not in text
+        assert "jaxslices_rowwise" in text  # the ops, lowered as their references
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        why = _path._why_not((jnp.ones((8, 4)),), (jnp.float32,))
+    assert "lacks Pallas's GPU backend" in why
+    assert isinstance(_jax_compat.gpu_target(), contextlib.nullcontext)
