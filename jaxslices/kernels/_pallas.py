@@ -113,7 +113,7 @@ def _set_row(ref: Any, i: Any, value: jax.Array) -> None:
         ref[pl.ds(i, 1), :] = value
 
 
-def _index(ids: jax.Array, num_rows: int) -> Any:
+def _index(num_rows: int) -> Any:
     """The dtype row indices are computed in: int32 unless rows need int64."""
     return jnp.int64 if num_rows > np.iinfo(np.int32).max else jnp.int32
 
@@ -152,7 +152,7 @@ def bag_forward(
         operands.append(weight)
     if has_scale:
         operands.append(scale)
-    idx = _index(ids, v)
+    idx = _index(v)
 
     def kernel(*refs):
         ids_ref, *rest = refs[:-2]
@@ -171,7 +171,7 @@ def bag_forward(
             s = order_ref[q] if has_bag else q
             i = ids_ref[s]
             ok = (i >= 0) & (i < v)
-            x = flat_row(table_ref, jnp.where(ok, i, 0).astype(idx))
+            x = table_ref[pl.ds(jnp.where(ok, i, 0).astype(idx), 1), :]
             x = jnp.where(ok, x, 0.0)
             if has_weight:
                 x = x * w_ref[s]
@@ -181,9 +181,6 @@ def bag_forward(
         if has_scale:
             acc = acc * s_ref[b]
         out_ref[pl.ds(b, 1), :] = acc
-
-    def flat_row(ref, i):
-        return ref[pl.ds(i, 1), :]
 
     out = _call(
         kernel,
@@ -381,8 +378,8 @@ def _check_rule(kind, hp, params, state, num_rows, r) -> None:
 
 
 def _run_kernel(
-    kind: str, r: int, *, has_bag, has_weight, length, num_src, nesterov,
-    sqrt_power, uses_params, parts, write_rows,
+    kind: str, r: int, *, has_bag, has_weight, length, num_src, parts,
+    write_rows, uses_params=False, nesterov=False, sqrt_power=False,
 ) -> Callable[..., None]:  # fmt: skip
     """The kernel of one run per program: sum, rule, state row in place."""
     pl = _jax_compat.pallas
@@ -452,14 +449,22 @@ def _run_kernel(
     return kernel
 
 
-def _recipe_operands(src, bag, weight, scale, has_bag, has_weight):
-    ops = [src]
+def _run_operands(runs, src, bag, weight, scale, has_bag, has_weight, length):
+    """The runs' and the recipe's operands, and the recipe's kernel options."""
+    ops = [runs[k] for k in ("order", "starts", "ends", "uids", "count")]
+    ops.append(src)
     if has_bag:
         ops.append(bag)
     if has_weight:
         ops.append(weight)
     ops.append(jnp.asarray(scale, jnp.float32).reshape(1))
-    return ops
+    recipe = {
+        "has_bag": has_bag,
+        "has_weight": has_weight,
+        "length": length,
+        "num_src": src.shape[0],
+    }
+    return ops, recipe
 
 
 def rowwise(
@@ -485,8 +490,9 @@ def rowwise(
         return [state, uids, rows, count, jnp.zeros((), jnp.float32)]
     runs = _runs(ids, num_rows, capacity)
     st = _state_view(state, parts, r) if parts else None
-    operands = [runs[k] for k in ("order", "starts", "ends", "uids", "count")]
-    operands += _recipe_operands(src, bag, weight, scale, has_bag, has_weight)
+    operands, recipe = _run_operands(
+        runs, src, bag, weight, scale, has_bag, has_weight, length
+    )
     if RULES[kind][0]:  # no empty operand (Triton has no zero-size blocks)
         operands.append(hp)
     if uses_params:
@@ -502,15 +508,12 @@ def rowwise(
     kernel = _run_kernel(
         kind,
         r,
-        has_bag=has_bag,
-        has_weight=has_weight,
-        length=length,
-        num_src=src.shape[0],
-        nesterov=nesterov,
-        sqrt_power=sqrt_power,
-        uses_params=uses_params,
+        **recipe,
         parts=parts,
         write_rows=True,
+        uses_params=uses_params,
+        nesterov=nesterov,
+        sqrt_power=sqrt_power,
     )
     outs = _call(
         kernel,
@@ -546,22 +549,11 @@ def apply(
         return [table]
     runs = _runs(ids, v, n)
     flat = table if table.ndim == 2 else table.reshape(v, r)
-    operands = [runs[k] for k in ("order", "starts", "ends", "uids", "count")]
-    operands += _recipe_operands(src, bag, weight, scale, has_bag, has_weight)
-    operands.append(flat)
-    kernel = _run_kernel(
-        "apply",
-        r,
-        has_bag=has_bag,
-        has_weight=has_weight,
-        length=length,
-        num_src=src.shape[0],
-        nesterov=False,
-        sqrt_power=False,
-        uses_params=False,
-        parts=1,
-        write_rows=False,
+    operands, recipe = _run_operands(
+        runs, src, bag, weight, scale, has_bag, has_weight, length
     )
+    operands.append(flat)
+    kernel = _run_kernel("apply", r, **recipe, parts=1, write_rows=False)
     (out,) = _call(
         kernel,
         name="apply",
