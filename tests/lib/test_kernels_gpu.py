@@ -452,6 +452,47 @@ def test_cuda_export_carries_the_gpu_kernels_when_opted_in(monkeypatch):
     assert "xla.gpu.triton" not in _export(step, args, "cuda", monkeypatch)
 
 
+def test_every_kernel_lowers_to_triton(monkeypatch):
+    """Every rule's kernel, the bag and the update lower for ``cuda``.
+
+    (Lowering is what a host without a GPU can check of the GPU code: an
+    operation Triton lacks would fail here.) One chain of every rule, with
+    weighted bags and a row-wise state; ``max_norm`` apart.
+    """
+    tx = optax.chain(
+        js.clip_by_global_norm(1.0),
+        js.clip_by_row_norm(1.0),
+        js.clip(1.0),
+        js.trace(0.5),
+        js.trace(0.5, nesterov=True),
+        js.scale_by_rss(),
+        js.scale_by_rowwise_rss(),
+        js.scale_by_lazy_adam(nesterov=True),
+        js.add_decayed_weights(0.1),
+        js.ftrl(0.1),
+        js.ftrl(0.1, learning_rate_power=-0.3),
+    )
+    loss = _loss("sqrtn", jnp.ones((6, 5)))
+    rng = np.random.default_rng(8)
+    params = _params(rng)
+    ids, y = _batches(rng, steps=1)[0]
+
+    def step(p, s, ids, y):
+        u, s = tx.update(js.grad(loss)(p, ids, y), s, p)
+        return js.apply_updates(p, u), s
+
+    renorm = functools.partial(js.apply_max_norm, max_norm=1.0, norm_type=3.0)
+    with js.kernels.gpu_kernels():
+        text = _export(step, (params, tx.init(params), ids, y), "cuda", monkeypatch)
+        text += _export(renorm, (params["emb"], ids), "cuda", monkeypatch)
+    rules = {f"jaxslices_gpu_rowwise_{r}" for r in _pallas.RULES}
+    assert set(TRITON.findall(text)) == {
+        "jaxslices_gpu_bag_forward",
+        "jaxslices_gpu_apply",
+        *rules,
+    }
+
+
 def test_tpu_export_is_unchanged(monkeypatch):
     step, args = _step_and_args()
     default = _export(step, args, "tpu", monkeypatch)
