@@ -43,20 +43,21 @@ def interpreted(monkeypatch):
     """The native ops lower to their Pallas kernels in interpret mode on the CPU.
 
     ``_build.load`` answers ``True`` so that the path choice takes the
-    native path without the C++ kernels (which are then never called). JAX's
-    caches are cleared on the way in and out, so that no step lowered with
-    one rule is reused under the other (in this test or a later one).
+    native path without the C++ kernels (which are then never called). No
+    compiled step outlives the swap: every step here is a new function (a
+    new entry of jit's caches), and the ops' own eager caches are dropped on
+    the way in and out.
     """
     mlir = _jax_compat.mlir
     monkeypatch.setattr(_build, "load", lambda *a, **k: True)
-    jax.clear_caches()
     for op in OPS:
+        op.__dict__.pop("_jitted", None)
         impl = functools.partial(op.gpu, interpret=True)
         mlir.register_lowering(op.prim, _pallas.lower(impl), platform="cpu")
     yield
     for op in OPS:
         mlir.register_lowering(op.prim, op._cpu_lowering, platform="cpu")
-    jax.clear_caches()
+        op.__dict__.pop("_jitted", None)
 
 
 def _assert_close(a, b):
@@ -291,7 +292,23 @@ def test_weights_sqrtn_and_int64_ids(interpreted):
     _assert_close(gpu, xla)
 
 
-def test_jagged_bags_and_empty_batches(interpreted):
+@pytest.mark.parametrize("name", ["adagrad_clipped", "ftrl"])
+def test_nan_and_inf_where_xla_puts_them(name, interpreted):
+    """NaN, +inf, -inf and 0 * inf in the weights: the same places on both."""
+    rng = np.random.default_rng(9)
+    params, batches = _params(rng), _batches(rng, steps=1)
+    weights = np.ones((6, 5), np.float32)
+    weights[3, 0], weights[4, 1], weights[5, 2] = np.nan, np.inf, -np.inf
+    weights[0, 1] = np.inf  # on an out-of-range id: 0 * inf
+    tx, loss = OPTIMIZERS[name](), _loss("sum", jnp.asarray(weights))
+    gpu = _train(tx, loss, params, batches, xla=False)
+    xla = _train(tx, loss, params, batches, xla=True)
+    emb = np.asarray(gpu[0]["emb"])
+    assert np.isnan(emb).any() and np.isfinite(emb).any()
+    _assert_close(gpu, xla)  # NaN and inf at the same places (same signs)
+
+
+def test_jagged_bags(interpreted):
     rng = np.random.default_rng(4)
     params = _params(rng)
     lists = [[1, 1, 7], [], [3], [31, 1, 1, 1], [45]]  # 45: out of range
