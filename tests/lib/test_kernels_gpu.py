@@ -437,10 +437,10 @@ def _export(step, args, platform, monkeypatch):
     return exported.mlir_module()
 
 
-def _step_and_args():
-    tx = js.lazy_adam(0.01)
-    loss = _loss("mean")
-    rng = np.random.default_rng(7)
+def _step_and_args(tx=None, loss=None, seed=7):
+    tx = js.lazy_adam(0.01) if tx is None else tx
+    loss = _loss("mean") if loss is None else loss
+    rng = np.random.default_rng(seed)
     params = _params(rng)
     ids, y = _batches(rng, steps=1)[0]
 
@@ -489,19 +489,11 @@ def test_every_kernel_lowers_to_triton(monkeypatch):
         js.ftrl(0.1),
         js.ftrl(0.1, learning_rate_power=-0.3),
     )
-    loss = _loss("sqrtn", jnp.ones((6, 5)))
-    rng = np.random.default_rng(8)
-    params = _params(rng)
-    ids, y = _batches(rng, steps=1)[0]
-
-    def step(p, s, ids, y):
-        u, s = tx.update(js.grad(loss)(p, ids, y), s, p)
-        return js.apply_updates(p, u), s
-
+    step, args = _step_and_args(tx, _loss("sqrtn", jnp.ones((6, 5))), seed=8)
     renorm = functools.partial(js.apply_max_norm, max_norm=1.0, norm_type=3.0)
     with js.kernels.gpu_kernels():
-        text = _export(step, (params, tx.init(params), ids, y), "cuda", monkeypatch)
-        text += _export(renorm, (params["emb"], ids), "cuda", monkeypatch)
+        text = _export(step, args, "cuda", monkeypatch)
+        text += _export(renorm, (args[0]["emb"], args[2]), "cuda", monkeypatch)
     rules = {f"jaxslices_gpu_rowwise_{r}" for r in _pallas.RULES}
     assert set(TRITON.findall(text)) == {
         "jaxslices_gpu_bag_forward",
