@@ -22,6 +22,8 @@ This module is the user's handle on it:
 * :func:`disabled`: run on the XLA path; part of ``jax.jit``'s cache keys,
   so a step traced before is traced again (``JAXSLICES_NATIVE=0`` turns the
   kernels off for a whole process).
+* :func:`threads` / :func:`default_threads`: the threads of XLA's CPU pool a
+  kernel call uses (results are the same whatever the count).
 * :func:`gpu_kernels`: on a GPU, run the embedding bag, the optimizers'
   rules and the update as Pallas kernels instead of XLA's generic ops
   (opt-in: not measured on a GPU yet; part of ``jax.jit``'s cache keys);
@@ -32,7 +34,8 @@ This module is the user's handle on it:
 Inside: ``_path`` (path choice: the switch, ``route``, the notes
 ``explain`` reads), ``_ops`` (the ops as primitives, their XLA references),
 ``_pallas`` (their Pallas GPU kernels),
-``_build`` (compile, cache, load), ``_explain``.
+``_build`` (compile, cache, load), ``_threads`` (the thread setting),
+``_explain``.
 """
 
 from __future__ import annotations
@@ -43,18 +46,21 @@ from ._build import load as _load
 from ._build import status as _status
 from ._explain import Report, explain
 from ._path import Decision, disabled, gpu_kernels
+from ._threads import default_threads, threads
 
 __all__ = [
     "Decision",
     "KernelsUnavailableWarning",
     "Report",
     "available",
+    "default_threads",
     "disabled",
     "explain",
     "gpu_kernels",
     "gpu_target",
     "library_path",
     "status",
+    "threads",
 ]
 
 

@@ -46,7 +46,7 @@ import jax
 
 __all__ = ["KernelsUnavailableWarning", "library_path", "load", "reason", "status"]
 
-SOURCES = ("common.h", "bag.cc", "rowwise.cc", "apply.cc")
+SOURCES = ("common.h", "parallel.h", "bag.cc", "rowwise.cc", "apply.cc", "pool.cc")
 # FFI target name -> exported handler symbol: each kernel once per ids dtype.
 TARGETS = {
     f"jaxslices_{kernel}_{ids}": f"Jaxslices{symbol}{ids.upper()}"
@@ -57,6 +57,7 @@ TARGETS = {
     )
     for ids in ("s32", "s64")
 }
+TARGETS["jaxslices_pool_threads"] = "JaxslicesPoolThreads"
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from . import _build, _pallas
+from . import _build, _pallas, _threads
 from ._ops import NATIVE_OPS
 from ._path import MARKER, MATERIALISED, Decision
 
@@ -32,13 +32,17 @@ class Report:
         ``op`` (what was called, with the leaf), ``native`` and ``reason``.
       native_calls: native kernel calls in the lowered step (C++ or Pallas).
       status: :func:`jaxslices.kernels.status` at the time.
-      gpu_calls: of those, the Pallas GPU kernels' calls (``jaxslices_gpu_*``,
-        on a GPU inside :func:`jaxslices.kernels.gpu_kernels`).
+      threads: the threads a native kernel call of the step uses
+        (:func:`jaxslices.kernels.threads`), in words.
+      gpu_calls: of ``native_calls``, the Pallas GPU kernels' calls
+        (``jaxslices_gpu_*``, on a GPU inside
+        :func:`jaxslices.kernels.gpu_kernels`).
     """
 
     decisions: tuple[Decision, ...]
     native_calls: int
     status: str
+    threads: str = ""
     gpu_calls: int = 0
 
     @property
@@ -64,6 +68,8 @@ class Report:
         if self.gpu_calls:
             calls += f" (Pallas GPU kernels: {self.gpu_calls})"
         lines.append(calls)
+        if self.native_calls and self.threads:
+            lines.append(f"threads: {self.threads}")
         return "\n".join(lines)
 
 
@@ -172,7 +178,8 @@ def explain(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     calls = cpu_calls + gpu_calls
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     decisions = _decisions(jaxpr, per_device=calls > 0)
-    return Report(tuple(decisions), calls, _build.status(), gpu_calls)
+    threads = _threads.describe() if cpu_calls else ""
+    return Report(tuple(decisions), calls, _build.status(), threads, gpu_calls)
 
 
 # A Pallas GPU kernel of jaxslices in a lowered step: Triton's custom call,

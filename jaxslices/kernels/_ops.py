@@ -94,6 +94,8 @@ def _bag_reference(
         rows = rows * weight[:, None]
     if has_bag:
         out = jnp.zeros((num_bags, rows.shape[1]), rows.dtype)
+        # A bag outside [0, B) is an unused slot (JAX would wrap a negative one).
+        bag = jnp.where((bag >= 0) & (bag < num_bags), bag, num_bags)
         total = out.at[bag].add(rows, mode="drop")
     else:  # padded bags (length 0: no slots, every bag empty)
         total = jnp.sum(rows.reshape(num_bags, length, rows.shape[1]), axis=1)

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from .. import _jax_compat
-from . import _build, _pallas, _path
+from . import _build, _pallas, _path, _threads
 
 # The ids dtypes the kernels are registered for, and their target suffixes.
 ID_SUFFIXES = {np.dtype(np.int32): "s32", np.dtype(np.int64): "s64"}
@@ -129,6 +129,8 @@ class NativeOp:
         native = _path._enabled() and per_device
         if params["fallback"] is None and native and _build.load():
             attrs = {k: kind(params[k]) for k, kind in self.attrs.items()}
+            threads, min_slots = _threads.thread_setting()
+            attrs.update(threads=np.int64(threads), min_slots=np.int64(min_slots))
             ids_dtype = ctx.avals_in[self.ids_operand].dtype
             rule = jax.ffi.ffi_lowering(
                 target_name(self.target, ids_dtype),

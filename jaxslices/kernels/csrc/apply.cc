@@ -6,27 +6,66 @@
 
 namespace jaxslices {
 
+// One slot's row added to the table (a slot whose source row or id is out
+// of range adds nothing).
 template <typename IdT>
-static void Apply(const Recipe<IdT>& r, float* table, int64_t num_rows,
-                  bool sum_duplicates, bool coalesced) {
-  const int64_t R = r.row;
-  if (!sum_duplicates || coalesced) {
-    auto rows_of = r.cursor();
-    for (int64_t s = 0; s < r.num_slots; ++s) {
-      const float* x = rows_of.next();
-      if (s + kPrefetch < r.num_slots) {
-        IdT ahead = r.ids[s + kPrefetch];
-        if (ahead >= 0 && ahead < num_rows) {
-          PrefetchRow(table + static_cast<int64_t>(ahead) * R, R, true);
-        }
+static inline void AddSlot(const Recipe<IdT>& r, float* table, int64_t num_rows,
+                           int64_t s, const float* x) {
+  IdT id = r.ids[s];
+  if (id < 0 || id >= num_rows || !x) return;
+  Axpy(table + static_cast<int64_t>(id) * r.row, x, r.factor(s), r.row, false);
+}
+
+template <typename IdT>
+static inline void PrefetchTableRow(const Recipe<IdT>& r, const float* table,
+                                    int64_t num_rows, int64_t s) {
+  IdT ahead = r.ids[s];
+  if (ahead >= 0 && ahead < num_rows) {
+    PrefetchRow(table + static_cast<int64_t>(ahead) * r.row, r.row, true);
+  }
+}
+
+// Each slot's row added in turn; on several threads each partition adds the
+// slots of the rows it owns, in slot order (coalesced: the ids are
+// distinct, so any split of the slots will do).
+template <typename IdT>
+static void AddInTurn(const Recipe<IdT>& r, float* table, int64_t num_rows,
+                      bool coalesced, const Threads& t) {
+  const int64_t n = r.num_slots, threads = t.For(n);
+  if (threads <= 1 || coalesced) {
+    const int64_t units = UnitsFor(threads, n);
+    ParallelFor(t, threads, units, [&](int64_t u) {
+      const int64_t lo = UnitBegin(u, units, n), hi = UnitBegin(u + 1, units, n);
+      auto rows_of = r.cursor_at(lo);
+      for (int64_t s = lo; s < hi; ++s) {
+        if (s + kPrefetch < hi) PrefetchTableRow(r, table, num_rows, s + kPrefetch);
+        AddSlot(r, table, num_rows, s, rows_of.next());
       }
-      IdT id = r.ids[s];
-      if (id < 0 || id >= num_rows) continue;
-      if (!x) continue;
-      Axpy(table + static_cast<int64_t>(id) * R, x, r.factor(s), R, false);
-    }
+    });
     return;
   }
+  std::vector<int32_t>& scratch = ThreadScratch<int32_t, kParts>();
+  const int64_t parts = UnitsFor(threads, n);
+  if (static_cast<int64_t>(scratch.size()) < BucketsSize(n, parts)) {
+    scratch.resize(BucketsSize(n, parts));
+  }
+  Buckets b = Bucket(r, num_rows, parts, scratch.data());
+  ParallelFor(t, threads, parts, [&](int64_t p) {
+    const int64_t lo = b.begin(p), hi = b.end[p];
+    for (int64_t q = lo; q < hi; ++q) {
+      if (q + kPrefetch < hi) PrefetchTableRow(r, table, num_rows, b.by_part[q + kPrefetch]);
+      int32_t s = b.by_part[q];
+      int32_t i = b.src_row[s];
+      AddSlot(r, table, num_rows, s, i < 0 ? nullptr : r.src + static_cast<int64_t>(i) * r.row);
+    }
+  });
+}
+
+template <typename IdT>
+static void Apply(const Recipe<IdT>& r, float* table, int64_t num_rows,
+                  bool sum_duplicates, bool coalesced, const Threads& t) {
+  const int64_t R = r.row;
+  if (!sum_duplicates || coalesced) return AddInTurn(r, table, num_rows, coalesced, t);
   std::vector<float>& acc = ThreadScratch<float, kApplyRows>();
   std::vector<IdT>& uids = ThreadScratch<IdT, kApplyIds>();
   if (static_cast<int64_t>(acc.size()) < r.num_slots * R) acc.resize(r.num_slots * R);
@@ -36,23 +75,33 @@ static void Apply(const Recipe<IdT>& r, float* table, int64_t num_rows,
   float* rows = acc.data();
   // Each id's summed row is added to the table as soon as it is complete.
   auto add_row = [&](int64_t j) {
-    if (j + kPrefetch < total) {
-      PrefetchRow(table + static_cast<int64_t>(u[j + kPrefetch]) * R, R, true);
-    }
-    float* t = table + static_cast<int64_t>(u[j]) * R;
+    float* row = table + static_cast<int64_t>(u[j]) * R;
     const float* a = rows + j * R;
-    for (int64_t k = 0; k < R; ++k) t[k] += a[k];
+    for (int64_t k = 0; k < R; ++k) row[k] += a[k];
   };
-  Coalesce(r, num_rows, false, r.num_slots, rows, u, &total, add_row);
+  auto ahead = [&](int64_t j) {
+    PrefetchRow(table + static_cast<int64_t>(u[j]) * R, R, true);
+  };
+  const int64_t threads = t.For(r.num_slots);
+  if (threads > 1) {
+    CoalesceParallel(r, num_rows, r.num_slots, rows, u, &total, t, threads,
+                     add_row, ahead);
+    return;
+  }
+  Coalesce(r, num_rows, false, r.num_slots, rows, u, &total, [&](int64_t j) {
+    if (j + kPrefetch < total) ahead(j + kPrefetch);
+    add_row(j);
+  });
 }
 
 template <ffi::DataType kId>
-static ffi::Error ApplyImpl(ffi::Buffer<ffi::F32> table, F32Rows src,
+static ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, F32Rows src,
                             IdVector<kId> ids, BagVector bag, F32Vector weight,
                             ffi::BufferR0<ffi::F32> scale,
                             ffi::Result<ffi::Buffer<ffi::F32>> out,
                             bool has_bag, bool has_weight, bool coalesced,
-                            bool sum_duplicates, int64_t length) {
+                            bool sum_duplicates, int64_t length,
+                            int64_t threads, int64_t min_slots) {
   constexpr const char* kKernel = "apply";
   const int64_t row = RowWidth(table);
   if (src.dimensions()[1] != row) {
@@ -65,13 +114,15 @@ static ffi::Error ApplyImpl(ffi::Buffer<ffi::F32> table, F32Rows src,
       !e.success()) {
     return e;
   }
-  Apply(r, InPlace(table, out), NumRows(table), sum_duplicates, coalesced);
+  Apply(r, InPlace(table, out), NumRows(table), sum_duplicates, coalesced,
+        Threads{&pool, threads, min_slots});
   return ffi::Error::Success();
 }
 
 template <ffi::DataType kId>
 static auto ApplyBinding() {
   return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()        // XLA's intra-op pool
       .Arg<ffi::Buffer<ffi::F32>>()  // table [V, *row]
       .Arg<F32Rows>()                // src [M, R]
       .Arg<IdVector<kId>>()          // ids [N]
@@ -83,7 +134,9 @@ static auto ApplyBinding() {
       .template Attr<bool>("has_weight")
       .template Attr<bool>("coalesced")
       .template Attr<bool>("sum_duplicates")
-      .template Attr<int64_t>("length");
+      .template Attr<int64_t>("length")
+      .template Attr<int64_t>("threads")
+      .template Attr<int64_t>("min_slots");
 }
 
 }  // namespace jaxslices

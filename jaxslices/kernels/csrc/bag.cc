@@ -5,6 +5,8 @@
 // Bags are padded (slot s belongs to bag s / L), given per slot (bag[s]; a
 // slot with bag[s] outside [0, B) is unused), or, with no slots at all, all
 // empty: zeros (times scale[b]).
+#include <algorithm>
+
 #include "common.h"
 
 namespace jaxslices {
@@ -16,44 +18,48 @@ static inline void AddZeroRow(float* o, float w, int64_t row) {
   for (int64_t k = 0; k < row; ++k) o[k] += w * 0.f;
 }
 
+// Padded bags [b0, b1): each bag's slots are contiguous.
 template <typename IdT>
-static void BagForward(const float* table, int64_t num_rows, int64_t row,
-                       const IdT* ids, const int32_t* bag, const float* weight,
-                       const float* scale, int64_t num_slots, int64_t num_bags,
-                       int64_t length, float* out) {
-  if (length > 0) {  // padded: each bag's slots are contiguous
-    for (int64_t b = 0; b < num_bags; ++b) {
-      float* o = out + b * row;
-      bool first = true;
-      for (int64_t j = 0; j < length; ++j) {
-        int64_t s = b * length + j;
-        if (s + kPrefetch < num_slots) {
-          IdT ahead = ids[s + kPrefetch];
-          if (ahead >= 0 && ahead < num_rows) {
-            PrefetchRow(table + static_cast<int64_t>(ahead) * row, row, false);
-          }
+static void PaddedBags(const float* table, int64_t num_rows, int64_t row,
+                       const IdT* ids, const float* weight, const float* scale,
+                       int64_t length, int64_t b0, int64_t b1, float* out) {
+  const int64_t end = b1 * length;
+  for (int64_t b = b0; b < b1; ++b) {
+    float* o = out + b * row;
+    bool first = true;
+    for (int64_t j = 0; j < length; ++j) {
+      int64_t s = b * length + j;
+      if (s + kPrefetch < end) {
+        IdT ahead = ids[s + kPrefetch];
+        if (ahead >= 0 && ahead < num_rows) {
+          PrefetchRow(table + static_cast<int64_t>(ahead) * row, row, false);
         }
-        IdT id = ids[s];
-        float w = weight ? weight[s] : 1.0f;
-        if (id < 0 || id >= num_rows) {
-          if (first) std::memset(o, 0, sizeof(float) * row);
-          first = false;
-          AddZeroRow(o, w, row);
-          continue;
-        }
-        Axpy(o, table + static_cast<int64_t>(id) * row, w, row, first);
-        first = false;
       }
-      if (first) std::memset(o, 0, sizeof(float) * row);
-      if (!scale) continue;
-      float f = scale[b];
-      for (int64_t k = 0; k < row; ++k) o[k] *= f;
+      IdT id = ids[s];
+      float w = weight ? weight[s] : 1.0f;
+      if (id < 0 || id >= num_rows) {
+        if (first) std::memset(o, 0, sizeof(float) * row);
+        first = false;
+        AddZeroRow(o, w, row);
+        continue;
+      }
+      Axpy(o, table + static_cast<int64_t>(id) * row, w, row, first);
+      first = false;
     }
-    return;
+    if (first) std::memset(o, 0, sizeof(float) * row);
+    if (!scale) continue;
+    float f = scale[b];
+    for (int64_t k = 0; k < row; ++k) o[k] *= f;
   }
-  std::memset(out, 0, sizeof(float) * num_bags * row);
-  for (int64_t s = 0; s < num_slots; ++s) {  // no slots: none without a bag
-    if (s + kPrefetch < num_slots) {
+}
+
+// Slots [s0, s1) of bags given per slot, added into `out` (zeroed).
+template <typename IdT>
+static void SlotBags(const float* table, int64_t num_rows, int64_t row,
+                     const IdT* ids, const int32_t* bag, const float* weight,
+                     int64_t num_bags, int64_t s0, int64_t s1, float* out) {
+  for (int64_t s = s0; s < s1; ++s) {
+    if (s + kPrefetch < s1) {
       IdT ahead = ids[s + kPrefetch];
       if (ahead >= 0 && ahead < num_rows) {
         PrefetchRow(table + static_cast<int64_t>(ahead) * row, row, false);
@@ -69,6 +75,39 @@ static void BagForward(const float* table, int64_t num_rows, int64_t row,
     }
     Axpy(out + b * row, table + static_cast<int64_t>(id) * row, w, row, false);
   }
+}
+
+// On several threads: padded bags split into ranges of bags; bags given per
+// slot split into ranges of slots that start where a bag starts, when the
+// bag array is sorted (as jagged ids' are), else one thread. Each bag's
+// slots are summed in slot order by one thread, as without threads.
+template <typename IdT>
+static void BagForward(const float* table, int64_t num_rows, int64_t row,
+                       const IdT* ids, const int32_t* bag, const float* weight,
+                       const float* scale, int64_t num_slots, int64_t num_bags,
+                       int64_t length, float* out, const Threads& t) {
+  int64_t threads = t.For(num_slots);
+  if (length > 0) {
+    const int64_t units = UnitsFor(threads, num_bags);
+    ParallelFor(t, threads, units, [&](int64_t u) {
+      PaddedBags(table, num_rows, row, ids, weight, scale, length,
+                 UnitBegin(u, units, num_bags), UnitBegin(u + 1, units, num_bags), out);
+    });
+    return;
+  }
+  std::memset(out, 0, sizeof(float) * num_bags * row);
+  if (threads > 1 && !std::is_sorted(bag, bag + num_slots)) threads = 1;
+  const int64_t units = UnitsFor(threads, num_slots);
+  ParallelFor(t, threads, units, [&](int64_t u) {
+    // A range starts at the first slot of a bag (never inside one).
+    auto begin = [&](int64_t v) {
+      int64_t s = UnitBegin(v, units, num_slots);
+      while (s > 0 && s < num_slots && bag[s] == bag[s - 1]) ++s;
+      return s;
+    };
+    SlotBags(table, num_rows, row, ids, bag, weight, num_bags, begin(u),
+             begin(u + 1), out);
+  });
   if (!scale) return;
   for (int64_t b = 0; b < num_bags; ++b) {
     float f = scale[b];
@@ -78,12 +117,14 @@ static void BagForward(const float* table, int64_t num_rows, int64_t row,
 }
 
 template <ffi::DataType kId>
-static ffi::Error BagForwardImpl(ffi::Buffer<ffi::F32> table,
+static ffi::Error BagForwardImpl(ffi::ThreadPool pool,
+                                 ffi::Buffer<ffi::F32> table,
                                  IdVector<kId> ids, BagVector bag,
                                  F32Vector weight, F32Vector scale,
                                  ffi::Result<ffi::Buffer<ffi::F32>> out,
                                  bool has_bag, bool has_weight, bool has_scale,
-                                 int64_t length) {
+                                 int64_t length, int64_t threads,
+                                 int64_t min_slots) {
   constexpr const char* kKernel = "bag";
   const int64_t num_rows = NumRows(table), row = RowWidth(table);
   const int64_t num_slots = static_cast<int64_t>(ids.element_count());
@@ -114,13 +155,15 @@ static ffi::Error BagForwardImpl(ffi::Buffer<ffi::F32> table,
              has_bag ? bag.typed_data() : nullptr,
              has_weight ? weight.typed_data() : nullptr,
              has_scale ? scale.typed_data() : nullptr, num_slots, num_bags,
-             has_bag ? 0 : length, out->typed_data());
+             has_bag ? 0 : length, out->typed_data(),
+             Threads{&pool, threads, min_slots});
   return ffi::Error::Success();
 }
 
 template <ffi::DataType kId>
 static auto BagForwardBinding() {
   return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()        // XLA's intra-op pool
       .Arg<ffi::Buffer<ffi::F32>>()  // table [V, *row]
       .Arg<IdVector<kId>>()          // ids [N]
       .template Arg<BagVector>()              // bag [N] or []
@@ -130,7 +173,9 @@ static auto BagForwardBinding() {
       .template Attr<bool>("has_bag")
       .template Attr<bool>("has_weight")
       .template Attr<bool>("has_scale")
-      .template Attr<int64_t>("length");
+      .template Attr<int64_t>("length")
+      .template Attr<int64_t>("threads")
+      .template Attr<int64_t>("min_slots");
 }
 
 }  // namespace jaxslices

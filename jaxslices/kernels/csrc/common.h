@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxslices {
@@ -89,6 +90,15 @@ struct Recipe {
     }
   };
   Cursor cursor() const { return Cursor{this}; }
+  // A cursor whose next() is slot s's row (one division, at the start).
+  Cursor cursor_at(int64_t s) const {
+    Cursor c{this, s};
+    if (!bag && length > 0) {
+      c.b = s / length;
+      c.j = s % length;
+    }
+    return c;
+  }
   float factor(int64_t s) const { return weight ? scale * weight[s] : scale; }
 };
 
@@ -224,7 +234,7 @@ inline IdMap& ThreadIdMap() {
 }
 
 // Scratch buffers reused between calls, one per (type, use) and thread.
-enum Scratch { kGroups, kApplyRows, kApplyIds };
+enum Scratch { kGroups, kApplyRows, kApplyIds, kParts, kSquares };
 
 template <typename T, Scratch use>
 std::vector<T>& ThreadScratch() {
@@ -273,17 +283,18 @@ inline void Axpy(float* acc, const float* x, float f, int64_t r, bool first) {
   }
 }
 
-// Sum each id's slots (grouped by `start`/`order`) into rows[j], calling
-// on_row(j) after each. W > 0: the row width at compile time, so that the
-// sum stays in registers and each row is written once; W = 0: any width.
+// Sum each id's slots (grouped by `start`/`order`) into its row: row j goes
+// to rows[dest[j]] (rows[j] without dest), and on_row(j) is called after
+// each. W > 0: the row width at compile time, so that the sum stays in
+// registers and each row is written once; W = 0: any width.
 template <int W, typename Id, typename OnRow>
 void SumGroups(const Recipe<Id>& r, int64_t count, const int32_t* start,
-               const int32_t* order, const int32_t* src_row, float* rows,
-               OnRow&& on_row) {
+               const int32_t* order, const int32_t* src_row,
+               const int32_t* dest, float* rows, OnRow&& on_row) {
   const int64_t R = W > 0 ? W : r.row;
   int64_t begin = 0;
   for (int64_t j = 0; j < count; ++j) {
-    float* out = rows + j * R;
+    float* out = rows + (dest ? static_cast<int64_t>(dest[j]) : j) * R;
     if constexpr (W > 0) {
       float acc[W > 0 ? W : 1];
       for (int64_t k = 0; k < W; ++k) acc[k] = 0.f;
@@ -308,6 +319,38 @@ void SumGroups(const Recipe<Id>& r, int64_t count, const int32_t* start,
     }
     on_row(j);
     begin = start[j];
+  }
+}
+
+template <typename Id, typename OnRow>
+void SumGroupsAnyWidth(const Recipe<Id>& r, int64_t count, const int32_t* start,
+                       const int32_t* order, const int32_t* src_row,
+                       const int32_t* dest, float* rows, OnRow&& on_row) {
+  switch (r.row) {  // rows of a fixed width are summed in registers
+    case 16: return SumGroups<16>(r, count, start, order, src_row, dest, rows, on_row);
+    case 32: return SumGroups<32>(r, count, start, order, src_row, dest, rows, on_row);
+    case 64: return SumGroups<64>(r, count, start, order, src_row, dest, rows, on_row);
+    case 128: return SumGroups<128>(r, count, start, order, src_row, dest, rows, on_row);
+    default: return SumGroups<0>(r, count, start, order, src_row, dest, rows, on_row);
+  }
+}
+
+// Group slots by a key in [0, count) (key[s] < 0: no group), keeping slot
+// order within a group: start[j] becomes the end of group j's slots in
+// order (start has count + 1 entries). `slots` lists the slots to group
+// (null: 0 .. n - 1).
+inline void GroupSlots(const int32_t* key, const int32_t* slots, int64_t n,
+                       int64_t count, int32_t* start, int32_t* order) {
+  std::fill(start, start + count + 1, 0);
+  for (int64_t q = 0; q < n; ++q) {
+    int32_t j = key[slots ? slots[q] : q];
+    if (j >= 0) ++start[j + 1];
+  }
+  for (int64_t j = 0; j < count; ++j) start[j + 1] += start[j];
+  for (int64_t q = 0; q < n; ++q) {
+    int32_t s = slots ? slots[q] : static_cast<int32_t>(q);
+    int32_t j = key[s];
+    if (j >= 0) order[start[j]++] = s;
   }
 }
 
@@ -380,24 +423,121 @@ int64_t Coalesce(const Recipe<Id>& r, int64_t num_rows, bool coalesced,
   }
   *total = count;
   if (count > capacity) return -1;
-  std::fill(start, start + count + 1, 0);
-  for (int64_t s = 0; s < n; ++s) {
-    if (slot_j[s] >= 0) ++start[slot_j[s] + 1];
-  }
-  for (int64_t j = 0; j < count; ++j) start[j + 1] += start[j];
-  for (int64_t s = 0; s < n; ++s) {  // start[j]: where id j's slots begin
-    int32_t j = slot_j[s];
-    if (j >= 0) order[start[j]++] = static_cast<int32_t>(s);
-  }
-  // start[j] is now the end of id j's slots.
-  switch (r.row) {  // rows of a fixed width are summed in registers
-    case 16: SumGroups<16>(r, count, start, order, src_row, rows, on_row); break;
-    case 32: SumGroups<32>(r, count, start, order, src_row, rows, on_row); break;
-    case 64: SumGroups<64>(r, count, start, order, src_row, rows, on_row); break;
-    case 128: SumGroups<128>(r, count, start, order, src_row, rows, on_row); break;
-    default: SumGroups<0>(r, count, start, order, src_row, rows, on_row);
-  }
+  GroupSlots(slot_j, nullptr, n, count, start, order);
+  SumGroupsAnyWidth(r, count, start, order, src_row, nullptr, rows, on_row);
   return count;
 }
+
+// ----------------------------------------------------- on several threads
+//
+// The threaded versions compute what the one-thread loops above compute,
+// bit for bit: each table row is owned by one partition (PartOf), a
+// partition visits its slots in slot order, so every row's sums and rule
+// run as in one thread, and whatever is ordered across rows (the distinct
+// ids' order of first appearance, the sum of squares) is put in order
+// afterwards on the calling thread. The partitions depend on the thread
+// count, the results do not.
+
+// The slots of a recipe bucketed by the partition owning their row: the
+// slots of partition p are by_part[begin(p) .. end[p]), in slot order;
+// src_row[s] is slot s's source row (-1: none); part[s] its partition (-1:
+// an id out of [0, V)).
+struct Buckets {
+  int64_t parts;
+  int32_t* part;
+  int32_t* src_row;
+  int32_t* by_part;
+  int32_t* end;  // parts + 1 entries
+  int64_t begin(int64_t p) const { return p == 0 ? 0 : end[p - 1]; }
+};
+
+// `extra` further int32 arrays of n entries each follow the buckets' own in
+// `scratch` (at scratch + Buckets::Size(n, parts)).
+inline int64_t BucketsSize(int64_t n, int64_t parts) { return 3 * n + parts + 1; }
+
+template <typename Id>
+Buckets Bucket(const Recipe<Id>& r, int64_t num_rows, int64_t parts,
+               int32_t* scratch) {
+  const int64_t n = r.num_slots;
+  Buckets b{parts, scratch, scratch + n, scratch + 2 * n, scratch + 3 * n};
+  auto rows_of = r.cursor();
+  for (int64_t s = 0; s < n; ++s) {
+    b.src_row[s] = static_cast<int32_t>(rows_of.next_index());
+    Id id = r.ids[s];
+    b.part[s] = (id >= 0 && id < num_rows)
+                    ? PartOf(static_cast<int64_t>(id), parts)
+                    : -1;
+  }
+  GroupSlots(b.part, nullptr, n, parts, b.end, b.by_part);
+  return b;
+}
+
+// Coalesce (not coalesced) on `threads` threads: the same count, uids, rows
+// and on_row(j) calls (each j once, from any thread, rows[j] complete);
+// ahead(j) announces a row that on_row will be called for soon.
+template <typename Id, typename OnRow, typename Ahead>
+int64_t CoalesceParallel(const Recipe<Id>& r, int64_t num_rows,
+                         int64_t capacity, float* rows, Id* uids,
+                         int64_t* total, const Threads& t, int64_t threads,
+                         OnRow&& on_row, Ahead&& ahead) {
+  const int64_t n = r.num_slots;
+  const int64_t parts = UnitsFor(threads, n);
+  std::vector<int32_t>& scratch = ThreadScratch<int32_t, kParts>();
+  const int64_t need = BucketsSize(n, parts) + 6 * n + 2 * parts + 1;
+  if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
+  Buckets b = Bucket(r, num_rows, parts, scratch.data());
+  int32_t* slot_j = scratch.data() + BucketsSize(n, parts);  // local j of a slot
+  int32_t* first = slot_j + n;      // partition's j -> its first slot
+  int32_t* dest = first + n;        // partition's j -> the output row
+  int32_t* order = dest + n;        // a partition's slots grouped by j
+  int32_t* first_at = order + n;    // slot -> its index into first/dest (-1)
+  int32_t* counts = first_at + n;   // distinct ids per partition
+  int32_t* start = counts + parts;  // group ends: partition p at begin + p
+  ParallelFor(t, threads, parts, [&](int64_t p) {
+    const int64_t lo = b.begin(p), hi = b.end[p];
+    IdMap& map = ThreadIdMap();
+    map.Reset(hi - lo);
+    int64_t count = 0;
+    constexpr int64_t kAhead = 16;
+    for (int64_t q = lo; q < hi; ++q) {
+      if (q + kAhead < hi) map.Prefetch(static_cast<int64_t>(r.ids[b.by_part[q + kAhead]]));
+      int32_t s = b.by_part[q];
+      bool inserted;
+      int64_t j = map.FindOrInsert(static_cast<int64_t>(r.ids[s]), count, &inserted);
+      if (inserted) first[lo + count++] = s;
+      slot_j[s] = static_cast<int32_t>(j);
+    }
+    counts[p] = static_cast<int32_t>(count);
+    GroupSlots(slot_j, b.by_part + lo, hi - lo, count, start + lo + p, order + lo);
+  });
+  // The order of first appearance, as one thread finds it.
+  std::fill(first_at, first_at + n, -1);
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t lo = b.begin(p);
+    for (int64_t j = 0; j < counts[p]; ++j) first_at[first[lo + j]] = static_cast<int32_t>(lo + j);
+  }
+  int64_t count = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    if (first_at[s] < 0) continue;
+    dest[first_at[s]] = static_cast<int32_t>(count);
+    if (count < capacity) uids[count] = r.ids[s];
+    ++count;
+  }
+  *total = count;
+  if (count > capacity) return -1;
+  ParallelFor(t, threads, parts, [&](int64_t p) {
+    const int64_t lo = b.begin(p), c = counts[p];
+    const int32_t* to = dest + lo;
+    SumGroupsAnyWidth(r, c, start + lo + p, order + lo, b.src_row, to, rows,
+                      [&](int64_t j) {
+                        if (j + kPrefetch < c) ahead(to[j + kPrefetch]);
+                        on_row(to[j]);
+                      });
+  });
+  return count;
+}
+
+// Slots [lo, hi) of `n` in the unit u of `units` (contiguous ranges).
+inline int64_t UnitBegin(int64_t u, int64_t units, int64_t n) { return u * n / units; }
 
 }  // namespace jaxslices

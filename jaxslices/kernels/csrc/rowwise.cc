@@ -206,37 +206,57 @@ static void Rowwise(const Recipe<IdT>& r, Rule rule, const Ctx& c,
                     bool coalesced, bool want_sumsq, int64_t num_rows,
                     const float* params, float* state, int64_t state_row,
                     IdT* uids, float* rows, int64_t capacity,
-                    int32_t* count_out, float* sumsq_out) {
+                    int32_t* count_out, float* sumsq_out, const Threads& t) {
   int64_t total = 0;
   double ss = 0.0;
-  auto on_row = [&](int64_t j) {
+  const int64_t threads = t.For(r.num_slots);
+  // With several threads each row's square sum is kept, then summed in row
+  // order below: the same double sum as one thread's.
+  std::vector<float>& squares = ThreadScratch<float, kSquares>();
+  if (threads > 1 && want_sumsq &&
+      static_cast<int64_t>(squares.size()) < capacity) {
+    squares.resize(capacity);
+  }
+  auto rule_of = [&](int64_t j) {
     float* g = rows + j * r.row;
-    if (want_sumsq) ss += SumSquares(g, r.row);
+    if (want_sumsq) {
+      float sq = SumSquares(g, r.row);
+      if (threads > 1) squares[j] = sq;
+      else ss += sq;
+    }
     if (rule == Rule::kCoalesce) return;
     int64_t id = static_cast<int64_t>(uids[j]);
     float* st = state ? state + id * state_row : nullptr;
     const float* p = params ? params + id * r.row : nullptr;
     ApplyRule(rule, c, g, st, p);
   };
-  // Prefetch the state (and params) rows of the ids a few rows ahead: known
-  // once the ids are hashed, i.e. in the pass that sums the rows.
-  auto on_row_prefetching = [&](int64_t j) {
-    if (j + kPrefetch < total && j + kPrefetch < capacity) {
-      int64_t ahead = static_cast<int64_t>(uids[j + kPrefetch]);
-      if (state) PrefetchRow(state + ahead * state_row, state_row, true);
-      if (params) PrefetchRow(params + ahead * r.row, r.row, false);
-    }
-    on_row(j);
+  // Prefetch the state (and params) rows of distinct id j: known once the
+  // ids are hashed, i.e. in the pass that sums the rows.
+  auto ahead = [&](int64_t j) {
+    int64_t id = static_cast<int64_t>(uids[j]);
+    if (state) PrefetchRow(state + id * state_row, state_row, true);
+    if (params) PrefetchRow(params + id * r.row, r.row, false);
   };
-  int64_t count =
-      coalesced
-          ? Coalesce(r, num_rows, true, capacity, rows, uids, &total, on_row)
-          : Coalesce(r, num_rows, false, capacity, rows, uids, &total,
+  auto on_row_prefetching = [&](int64_t j) {
+    if (j + kPrefetch < total && j + kPrefetch < capacity) ahead(j + kPrefetch);
+    rule_of(j);
+  };
+  int64_t count;
+  if (coalesced) {
+    count = Coalesce(r, num_rows, true, capacity, rows, uids, &total, rule_of);
+  } else if (threads > 1) {
+    count = CoalesceParallel(r, num_rows, capacity, rows, uids, &total, t,
+                             threads, rule_of, ahead);
+  } else {
+    count = Coalesce(r, num_rows, false, capacity, rows, uids, &total,
                      on_row_prefetching);
+  }
   *count_out = static_cast<int32_t>(total);
   if (count < 0) {  // over capacity: the wrapper raises; nothing changed
     count = 0;
     ss = 0.0;
+  } else if (threads > 1 && want_sumsq) {
+    for (int64_t j = 0; j < count; ++j) ss += squares[j];
   }
   *sumsq_out = static_cast<float>(ss);
   for (int64_t j = count; j < capacity; ++j) uids[j] = static_cast<IdT>(num_rows);
@@ -280,13 +300,14 @@ static ffi::Error CheckRuleBuffers(Rule rule, int64_t row, int64_t num_rows,
 
 template <ffi::DataType kId>
 static ffi::Error RowwiseImpl(
-    F32Rows src, IdVector<kId> ids, BagVector bag, F32Vector weight,
+    ffi::ThreadPool pool, F32Rows src, IdVector<kId> ids, BagVector bag, F32Vector weight,
     ffi::BufferR0<ffi::F32> scale, F32Vector hp, ffi::Buffer<ffi::F32> params,
     ffi::Buffer<ffi::F32> state, ffi::Result<ffi::Buffer<ffi::F32>> state_out,
     ffi::ResultBufferR1<kId> uids, ffi::ResultBufferR2<ffi::F32> rows,
     ffi::ResultBufferR0<ffi::S32> count, ffi::ResultBufferR0<ffi::F32> sumsq,
     Rule rule, bool has_bag, bool has_weight, bool coalesced, bool want_sumsq,
-    bool nesterov, bool sqrt_power, int64_t length, int64_t num_rows) {
+    bool nesterov, bool sqrt_power, int64_t length, int64_t num_rows,
+    int64_t threads, int64_t min_slots) {
   constexpr const char* kKernel = "rowwise";
   const int64_t row = src.dimensions()[1];
   const int64_t capacity = rows->dimensions()[0];
@@ -317,13 +338,15 @@ static ffi::Error RowwiseImpl(
   Rowwise(r, rule, c, coalesced, want_sumsq, num_rows,
           shape.uses_params ? params.typed_data() : nullptr, st,
           st ? RowWidth(state) : 0, uids->typed_data(), rows->typed_data(),
-          capacity, count->typed_data(), sumsq->typed_data());
+          capacity, count->typed_data(), sumsq->typed_data(),
+          Threads{&pool, threads, min_slots});
   return ffi::Error::Success();
 }
 
 template <ffi::DataType kId>
 static auto RowwiseBinding() {
   return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()          // XLA's intra-op pool
       .Arg<F32Rows>()                  // src [M, R]
       .Arg<IdVector<kId>>()            // ids [N]
       .template Arg<BagVector>()                // bag [N] or []
@@ -345,7 +368,9 @@ static auto RowwiseBinding() {
       .template Attr<bool>("nesterov")
       .template Attr<bool>("sqrt_power")
       .template Attr<int64_t>("length")
-      .template Attr<int64_t>("num_rows");
+      .template Attr<int64_t>("num_rows")
+      .template Attr<int64_t>("threads")
+      .template Attr<int64_t>("min_slots");
 }
 
 }  // namespace jaxslices
