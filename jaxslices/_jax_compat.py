@@ -93,6 +93,10 @@ __all__ = [
     "lowering_is_per_device",
     "operands_varying",
     "native_out_aval",
+    "pallas",
+    "pallas_triton",
+    "gpu_target",
+    "TRITON_DEPRECATION",
 ]
 
 # ------------------------------------------------------------------ versions
@@ -375,6 +379,20 @@ ENTRIES: tuple[Entry, ...] = (
         "at its end); the error raised is the same",
         "the one-line log of a failed check",
     ),
+    Entry(
+        "pallas_gpu",
+        "`jax.experimental.pallas` (`pallas_call`, `program_id`, `when`, `ds`), "
+        "`jax.experimental.pallas.triton.CompilerParams` (the Triton backend, "
+        "deprecated on the 0.12 line: its `DeprecationWarning` is filtered while "
+        "a kernel lowers); `jax.sharding.AbstractDevice` and `use_abstract_mesh` "
+        "(JAX >= 0.12: a GPU to lower for on a host without one)",
+        "the opt-in Pallas GPU kernels (`kernels/_pallas.py`): the lowering of "
+        "the native ops for `cuda` and `rocm`",
+        "0.10.2, 0.12.0.1",
+        "no GPU kernels: the ops lower to their XLA reference on a GPU, and "
+        "`kernels.gpu_kernels()` steps say so in `explain`",
+        "the opt-in GPU path (the XLA path is the default on a GPU)",
+    ),
 )
 
 _HEADER = ("entry", "JAX names", "why", "versions checked", "fallback", "breaks")
@@ -473,6 +491,21 @@ _MAT_OK = (
 )
 
 
+try:  # the opt-in Pallas GPU kernels (kernels/_pallas.py)
+    from jax.experimental import pallas
+    from jax.experimental.pallas import triton as pallas_triton
+
+    _PALLAS_OK = all(
+        hasattr(pallas, n) for n in ("pallas_call", "program_id", "when", "ds")
+    ) and hasattr(pallas_triton, "CompilerParams")
+except Exception:  # pragma: no cover - a JAX without Pallas
+    pallas = pallas_triton = None
+    _PALLAS_OK = False
+
+# The Triton backend's deprecation (JAX 0.12), filtered while a kernel lowers.
+TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
+
+
 def _module_logger(module: str) -> logging.Logger | None:
     logger = getattr(sys.modules.get(module), "logger", None)
     return logger if isinstance(logger, logging.Logger) else None
@@ -503,6 +536,7 @@ AVAILABLE: dict[str, bool] = {
     "lowering_context": _CTX_OK,
     "manual_axis_avals": _MAT_OK,
     "callback_logs": all(logger is not None for logger in _CALLBACK_LOGGERS),
+    "pallas_gpu": _PALLAS_OK,
 }
 
 assert set(AVAILABLE) == {e.name for e in ENTRIES}
@@ -919,6 +953,46 @@ def native_out_aval(shape: tuple[int, ...], dtype: Any, avals_in: Any) -> Any:
     sharding = _core.get_cur_mesh_sharding(PartitionSpec(*([None] * len(shape))))
     mat = _core.ManualAxisType(varying=varying)
     return _core.ShapedArray(shape, dtype, sharding=sharding, manual_axis_type=mat)
+
+
+# ------------------------------------------------------------ Pallas GPU
+
+
+def gpu_target(device_kind: str = "NVIDIA H200") -> Any:
+    """A context in which the Pallas GPU kernels lower on a host without a GPU.
+
+    Entry ``pallas_gpu``. On JAX 0.12, Pallas asks the GPU it lowers a
+    kernel for (its compute capability); on a host without one (a CPU
+    machine exporting a step for ``cuda`` with :func:`jax.export.export`
+    inside :func:`jaxslices.kernels.gpu_kernels`) this names it: an
+    abstract device of ``device_kind`` (``jax.sharding.AbstractDevice`` on a
+    one-device ``AbstractMesh``, set by ``jax.sharding.use_abstract_mesh``).
+    JAX 0.10's Pallas lowers without one (for compute capability 9.0) and
+    does not read it; without Pallas it does nothing. Served as
+    ``jaxslices.kernels.gpu_target``.
+
+    Args:
+      device_kind: the GPU, as JAX names its device kind (``"NVIDIA H100"``).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxslices
+      >>> with jaxslices.kernels.gpu_target("NVIDIA H100"):
+      ...     y = jax.jit(lambda x: x + 1)(jnp.ones(2))
+    """
+    import contextlib
+
+    sharding = jax.sharding
+    if not AVAILABLE["pallas_gpu"] or not all(
+        hasattr(sharding, n) for n in ("AbstractDevice", "use_abstract_mesh")
+    ):
+        return contextlib.nullcontext()
+    device = sharding.AbstractDevice(
+        device_kind=device_kind, num_cores=None, platform="gpu"
+    )
+    mesh = sharding.AbstractMesh(
+        (1,), ("_gpu",), (sharding.AxisType.Auto,), abstract_device=device
+    )
+    return sharding.use_abstract_mesh(mesh)
 
 
 # ------------------------------------------------------------------- import

@@ -24,21 +24,28 @@ This module is the user's handle on it:
   kernels off for a whole process).
 * :func:`threads` / :func:`default_threads`: the threads of XLA's CPU pool a
   kernel call uses (results are the same whatever the count).
+* :func:`gpu_kernels`: on a GPU, run the embedding bag, the optimizers'
+  rules and the update as Pallas kernels instead of XLA's generic ops
+  (opt-in: not measured on a GPU yet; part of ``jax.jit``'s cache keys);
+  :func:`gpu_target`: the GPU to lower them for on a host without one
+  (``jax.export`` for ``cuda``).
 * ``python -m jaxslices.kernels``: build them now and print :func:`status`.
 
 Inside: ``_path`` (path choice: the switch, ``route``, the notes
 ``explain`` reads), ``_ops`` (the ops as primitives, their XLA references),
+``_pallas`` (their Pallas GPU kernels),
 ``_build`` (compile, cache, load), ``_threads`` (the thread setting),
 ``_explain``.
 """
 
 from __future__ import annotations
 
+from .._jax_compat import gpu_target
 from ._build import KernelsUnavailableWarning, library_path
 from ._build import load as _load
 from ._build import status as _status
 from ._explain import Report, explain
-from ._path import Decision, disabled
+from ._path import Decision, disabled, gpu_kernels
 from ._threads import default_threads, threads
 
 __all__ = [
@@ -49,6 +56,8 @@ __all__ = [
     "default_threads",
     "disabled",
     "explain",
+    "gpu_kernels",
+    "gpu_target",
     "library_path",
     "status",
     "threads",

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from . import _build, _threads
+from . import _build, _pallas, _threads
 from ._ops import NATIVE_OPS
 from ._path import MARKER, MATERIALISED, Decision
 
@@ -30,16 +30,20 @@ class Report:
     Attributes:
       decisions: one per jaxslices operation of the step, in trace order:
         ``op`` (what was called, with the leaf), ``native`` and ``reason``.
-      native_calls: native kernel calls in the lowered step.
+      native_calls: native kernel calls in the lowered step (C++ or Pallas).
       status: :func:`jaxslices.kernels.status` at the time.
       threads: the threads a native kernel call of the step uses
         (:func:`jaxslices.kernels.threads`), in words.
+      gpu_calls: of ``native_calls``, the Pallas GPU kernels' calls
+        (``jaxslices_gpu_*``, on a GPU inside
+        :func:`jaxslices.kernels.gpu_kernels`).
     """
 
     decisions: tuple[Decision, ...]
     native_calls: int
     status: str
     threads: str = ""
+    gpu_calls: int = 0
 
     @property
     def native(self) -> bool:
@@ -60,7 +64,10 @@ class Report:
             if d.native and d.materialised:
                 path = f"native, {d.materialised}"
             lines.append(f"  {d.op}: {path}")
-        lines.append(f"native kernel calls in the compiled step: {self.native_calls}")
+        calls = f"native kernel calls in the compiled step: {self.native_calls}"
+        if self.gpu_calls:
+            calls += f" (Pallas GPU kernels: {self.gpu_calls})"
+        lines.append(calls)
         if self.native_calls and self.threads:
             lines.append(f"threads: {self.threads}")
         return "\n".join(lines)
@@ -132,8 +139,9 @@ def explain(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     ``eqx.filter_jit`` steps work) and ``args`` what it is called with; it is
     traced and lowered, not run. Each embedding bag, optimizer transform and
     update of a table is reported as ``native`` or ``XLA`` with the reason
-    (the kernels are off or unavailable, not a CPU, a dtype the kernels do
-    not take, ``jax.vmap``, a step partitioned over several devices). A
+    (the kernels are off or unavailable, a GPU without
+    :func:`jaxslices.kernels.gpu_kernels`, a TPU, a dtype the kernels do not
+    take, ``jax.vmap``, a step partitioned over several devices). A
     native kernel that reads a gradient's materialised ``[N, D]`` values
     instead of its pooled form (:attr:`jaxslices.IndexedSlices.recipe`) says
     so, and why (e.g. the tree operation that lost the pooled form).
@@ -163,10 +171,17 @@ def explain(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     jaxpr = _traced_jaxpr(jitted, fun, args, kwargs)
     lowered = jitted.lower(*args, **kwargs)
     text = getattr(lowered, "lowered", lowered).as_text()
-    calls = len(
+    cpu_calls = len(
         re.findall(r"custom_call @jaxslices_|call_target_name = \"jaxslices_", text)
     )
+    gpu_calls = len(re.findall(_GPU_CALL, text))
+    calls = cpu_calls + gpu_calls
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     decisions = _decisions(jaxpr, per_device=calls > 0)
-    threads = _threads.describe() if calls else ""
-    return Report(tuple(decisions), calls, _build.status(), threads)
+    threads = _threads.describe() if cpu_calls else ""
+    return Report(tuple(decisions), calls, _build.status(), threads, gpu_calls)
+
+
+# A Pallas GPU kernel of jaxslices in a lowered step: Triton's custom call,
+# named after the kernel (kernels/_pallas.py, KERNEL_PREFIX).
+_GPU_CALL = re.compile(r'xla\.gpu\.triton[^\n]*?name = "' + _pallas.KERNEL_PREFIX)

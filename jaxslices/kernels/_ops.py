@@ -9,8 +9,9 @@ table onto every device), under ``jax.vmap`` (the batching rule vmaps the
 reference) and under differentiation (the JVP rule differentiates the
 reference; the forward bag writes its own). On one CPU device, and inside
 ``shard_map`` (every mesh axis manual: the kernel runs on each device's own
-shard), it lowers to the FFI custom call. A Pallas kernel for GPU or TPU
-would be one more lowering rule here: this is the seam.
+shard), it lowers to the FFI custom call; on a GPU, inside
+:func:`jaxslices.kernels.gpu_kernels` (opt-in), to its Pallas kernel
+(``_pallas.py``). A TPU kernel would be one more lowering rule: the seam.
 
 Three ops (``csrc/`` holds their kernels):
 
@@ -42,6 +43,7 @@ import numpy as np
 
 from .. import _coalesce, _jax_compat, _strict
 from .._recipe import Recipe, flat_rows
+from . import _pallas
 from ._primitive import NativeOp, check_ids_dtype
 
 # ---------------------------------------------------- the primitive seam
@@ -141,6 +143,7 @@ _BAG = NativeOp(
     },
     ids_operand=1,
     jvp=_bag_jvp,
+    gpu=_pallas.bag_forward,
 )
 
 
@@ -314,6 +317,7 @@ _ROWWISE = NativeOp(
         "num_rows": np.int64,
     },
     ids_operand=1,
+    gpu=_pallas.rowwise,
 )
 
 
@@ -412,6 +416,7 @@ _APPLY = NativeOp(
         "length": np.int64,
     },
     ids_operand=2,
+    gpu=_pallas.apply,
 )
 
 

@@ -1,7 +1,8 @@
 """Path choice: does an operation run its native kernel or the XLA path, and why.
 
 Every jaxslices operation with a kernel asks :func:`route` when it is traced
-(the kernels are on and load, the platform is the CPU, float32 arrays, not
+(the kernels are on and load, the platform is the CPU, or a GPU inside
+:func:`gpu_kernels` with rows of a power-of-two width, float32 arrays, not
 under ``jax.vmap``, not laid out over a mesh by ``jit``), or records with
 :func:`note` why it takes the XLA path by itself. Each decision is written
 into the traced jaxpr as a marker primitive that computes nothing, so that
@@ -37,6 +38,7 @@ from . import _build
 __all__ = [
     "Decision",
     "disabled",
+    "gpu_kernels",
     "note",
     "note_materialised",
     "route",
@@ -73,6 +75,40 @@ def disabled() -> Iterator[None]:
       ...     xla = bag(table, ids)  # traced again: the XLA path
     """
     with _NATIVE_ON(False):
+        yield
+
+
+# The Pallas GPU kernels' opt-in (kernels/_pallas.py): off by default until
+# measured on a GPU; keyed on by jit's caches like the switch above.
+_GPU_ON = jax.make_user_context(False)
+
+
+def _gpu_enabled() -> bool:
+    """The GPU kernels are opted in (and the native kernels not disabled)."""
+    return bool(_GPU_ON.value) and _enabled()
+
+
+@contextmanager
+def gpu_kernels() -> Iterator[None]:
+    """Run the Pallas GPU kernels on a GPU (opt-in; this thread).
+
+    On a GPU jaxslices runs XLA's generic ops by default. Inside
+    ``gpu_kernels()`` the embedding bag, the optimizers' row-wise rules and
+    the update run as Pallas kernels instead (``docs/kernels.md``, "GPU
+    kernels"), where the step allows it (float32, rows of a power-of-two
+    width, not under ``vmap``, one device or ``shard_map``). They are not
+    the default because they have not been measured on a GPU yet. Like
+    :func:`disabled`, the switch is part of ``jax.jit``'s cache keys: a step
+    traced outside it is traced again inside it. :func:`disabled` wins.
+    A step exported for ``cuda`` inside it carries the kernels.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxslices
+      >>> bag = jax.jit(jaxslices.embedding_bag)
+      >>> with jaxslices.kernels.gpu_kernels():
+      ...     out = bag(jnp.ones((4, 2)), jnp.array([[1, 2]]))  # on a CPU: C++
+    """
+    with _GPU_ON(True):
         yield
 
 
@@ -157,8 +193,16 @@ def _why_not(arrays: tuple[Any, ...], dtypes: tuple[Any, ...]) -> str | None:
     if not _jax_compat.AVAILABLE["ffi_primitive"]:
         return "this JAX lacks the primitive API the kernels are called through"
     platform = jax.default_backend()
-    if platform != "cpu":
-        return f"the platform is {platform}: the native kernels are CPU-only"
+    on_gpu = platform in ("gpu", "cuda", "rocm")
+    if on_gpu and not _GPU_ON.value:
+        return (
+            f"the platform is {platform}: the Pallas GPU kernels are opt-in "
+            "until measured on a GPU (jaxslices.kernels.gpu_kernels())"
+        )
+    if on_gpu and not _jax_compat.AVAILABLE["pallas_gpu"]:
+        return f"the platform is {platform}: this JAX lacks Pallas's GPU backend"
+    if platform != "cpu" and not on_gpu:
+        return f"the platform is {platform}: the native kernels are CPU and GPU only"
     for x in arrays:
         if x is None:
             continue
@@ -177,6 +221,20 @@ def _why_not(arrays: tuple[Any, ...], dtypes: tuple[Any, ...]) -> str | None:
                     "(the kernels have no partitioning rule; shard_map runs them "
                     "per device)"
                 )
-    if not _build.load():
+        inexact = jnp.issubdtype(dtype, jnp.inexact)
+        if on_gpu and inexact and x.ndim >= 2 and not _power_of_two(_width(x)):
+            return (
+                f"rows of {_width(x)} floats (the Pallas GPU "
+                "kernels take a power-of-two row width)"
+            )
+    if not on_gpu and not _build.load():
         return f"the kernels are unavailable: {_build.reason()}"
     return None
+
+
+def _width(x: Any) -> int:
+    return int(np.prod(x.shape[1:]))
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0

@@ -9,8 +9,12 @@ table onto every device), under ``jax.vmap`` (the batching rule vmaps the
 reference) and under differentiation (the JVP rule differentiates the
 reference, unless the op brings its own). On one CPU device, and inside
 ``shard_map`` (every mesh axis manual: the kernel runs on each device's own
-shard), it lowers to the FFI custom call. A Pallas kernel for GPU or TPU
-would be one more lowering rule here: this is the seam.
+shard), it lowers to the FFI custom call. On ``cuda`` and ``rocm``, with
+the GPU kernels opted in (:func:`jaxslices.kernels.gpu_kernels`), it lowers
+to the op's Pallas kernel (``_pallas.py``) under the same conditions (one
+device or ``shard_map``; float32 rows of a power-of-two width), and to the
+reference otherwise. A TPU (Mosaic) kernel would be one more lowering rule
+here: this is the seam.
 
 The FFI boundary is typed (``csrc/common.h``): each kernel is registered once
 per ids dtype (``<target>_s32``, ``<target>_s64``), and its attributes are
@@ -29,7 +33,7 @@ import jax
 import numpy as np
 
 from .. import _jax_compat
-from . import _build, _path, _threads
+from . import _build, _pallas, _path, _threads
 
 # The attributes every kernel takes besides its own: the threads it may use
 # and the batch size below which it uses one (kernels._threads).
@@ -66,6 +70,8 @@ class NativeOp:
         (``THREAD_ATTRS`` added).
       ids_operand: the index of the ids operand (it picks the target).
       jvp: a JVP rule of the primitive (default: the reference's).
+      gpu: the op's Pallas GPU kernel, with the reference's signature
+        (``_pallas.py``; ``None``: the reference on GPUs too).
     """
 
     def __init__(
@@ -78,12 +84,13 @@ class NativeOp:
         attrs: dict[str, type],
         ids_operand: int,
         jvp: Callable[..., Any] | None = None,
+        gpu: Callable[..., list[jax.Array]] | None = None,
     ):
         self.name, self.target = name, name
         self.reference, self.aliases = reference, aliases
         # Every kernel also takes the thread setting, read when it is lowered.
         self.attrs = {**attrs, **THREAD_ATTRS}
-        self.ids_operand = ids_operand
+        self.ids_operand, self.gpu = ids_operand, gpu
         if not _jax_compat.AVAILABLE["ffi_primitive"]:  # pragma: no cover
             self.prim = None
             return
@@ -96,6 +103,9 @@ class NativeOp:
             p, mlir.lower_fun(self._reference, multiple_results=True)
         )
         mlir.register_lowering(p, self._cpu_lowering, platform="cpu")
+        if gpu is not None:
+            for platform in ("cuda", "rocm"):
+                mlir.register_lowering(p, self._gpu_lowering, platform=platform)
         _jax_compat.primitive_batchers[p] = self._batch
         _jax_compat.primitive_jvps[p] = jvp or self._jvp
         self.prim = p
@@ -134,6 +144,20 @@ class NativeOp:
                 operand_output_aliases=dict(self.aliases),
             )
             return rule(ctx, *operands, **attrs)
+        ref = _jax_compat.mlir.lower_fun(self._reference, multiple_results=True)
+        return ref(ctx, *operands, **params)
+
+    def _gpu_lowering(self, ctx: Any, *operands: Any, **params: Any) -> Any:
+        # Opted in (a user context, part of jit's cache keys, as `disabled`),
+        # on one device or inside shard_map, operands the kernels take.
+        pallas = (
+            params["fallback"] is None
+            and _path._gpu_enabled()
+            and _jax_compat.lowering_is_per_device(ctx)
+            and _pallas.unsupported(*ctx.avals_in) is None
+        )
+        if pallas:
+            return _pallas.lower(self.gpu)(ctx, *operands, **params)
         ref = _jax_compat.mlir.lower_fun(self._reference, multiple_results=True)
         return ref(ctx, *operands, **params)
 

@@ -35,6 +35,9 @@ from tools import hlo as _hlo
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRIES = [e.name for e in _jax_compat.ENTRIES]
+# Entries no path below uses (the opt-in GPU kernels): taken away in their
+# own tests (tests/lib/test_kernels_gpu.py), not in every path here.
+NOT_ON_THESE_PATHS = {"pallas_gpu"}
 V, D, B, L = 64, 4, 16, 3
 
 # Paths that stay sparse without the entry (the others fall back to dense).
@@ -49,7 +52,7 @@ def _sparse_expected(path: str, off: str | None) -> bool:
     return off not in DENSE_WITHOUT[path]
 
 
-@pytest.fixture(params=[None, *ENTRIES])
+@pytest.fixture(params=[None, *(e for e in ENTRIES if e not in NOT_ON_THESE_PATHS)])
 def off(request, monkeypatch):
     """``None`` (everything available) or the entry taken away."""
     if request.param is not None:
