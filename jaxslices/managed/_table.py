@@ -1,0 +1,494 @@
+"""``ManagedCollision``: raw ids to the rows of a fixed-size table, under ``jit``.
+
+Recommendation ids have no vocabulary. Hashing them into ``S`` rows
+(``hash(id) % S``) makes unrelated ids share a row and train it against each
+other. A managed-collision table tracks which raw id owns which of its ``S``
+rows (*slots*) in a :class:`RemapState` kept beside the table (a pytree,
+checkpointed with it), as TorchRec's ``MCHManagedCollisionModule`` does:
+
+* **Remap** (:meth:`ManagedCollision.remap`): each raw id is looked up among
+  the tracked ids (a sorted copy of the tracked ids and a binary search of
+  ``ceil(log2(S + 1))`` fixed steps, on the pairs of 32-bit words of
+  :class:`~jaxslices.RawIds`); it gets its slot.
+* **Admission**: a raw id not tracked yet is admitted into a free slot, if one
+  is left: the distinct new ids of a batch take free slots in the order of
+  their raw ids. While free slots remain, no two raw ids ever share a row.
+* **Default**: an id not admitted (no free slot left) is served by **no row**:
+  its slot is ``S``, out of the table's range, which every jaxslices lookup
+  reads as zeros and which gets no gradient and touches no optimizer state
+  (the padding rule of :func:`jaxslices.embedding_lookup`,
+  :func:`jaxslices.embedding_bag` and collections). It trains nothing wrong:
+  the other rows of its bag train as if it were absent, and ``"mean"`` /
+  ``"sqrtn"`` bags do not count it.
+* **Eviction** (:meth:`ManagedCollision.evict`, on demand, and every
+  ``evict_every`` calls of ``remap``, before that call's admissions): when
+  fewer than ``evict_count`` slots are free, the tracked ids with the lowest
+  score lose their slots until ``evict_count`` are free. LFU scores by the
+  number of lookups of the id since it was admitted (ties: least recently
+  seen first), LRU by the step it was last seen (ties: fewest lookups
+  first); remaining ties go to the lower slot. An id is never evicted while
+  ``evict_count`` slots are free.
+* **Re-initialisation**: ``remap`` returns the slots it evicted (``[E]``, the
+  unused entries ``S``); :func:`jaxslices.reset_rows` gives those rows of the
+  table fresh values and their optimizer state its initial values, before
+  the step reads the table.
+
+Costs per ``remap`` of ``N`` ids: a sort of the ``N`` ids (duplicates are
+admitted once), ``N`` binary searches, and, in steps that admit or evict, a
+sort of the ``S`` tracked ids to rebuild the sorted copy (a ``lax.cond``: free
+in steps that admit nothing). Eviction sorts the ``S`` slots by score.
+
+The state's counters (``admissions``, ``evictions``, ``defaulted``, per-slot
+``counts``, ``step``) are ``int32`` and saturate at ``2**31 - 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _errors
+from ._raw import as_raw_ids
+
+__all__ = ["ManagedCollision", "RemapState"]
+
+Policy = Literal["lfu", "lru"]
+_POLICIES = ("lfu", "lru")
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+class RemapState(NamedTuple):
+    """The remap state of a :class:`ManagedCollision` table (a pytree of arrays).
+
+    ``S`` is the number of slots (rows of the table). A slot ``s`` is free when
+    ``occupied[s]`` is false; its other per-slot fields are then zero.
+
+    Attributes:
+      table_key: ``uint32[2]``, the identity of the table the state belongs to
+        (a hash of its name, slots and policy); a state of another table is
+        refused.
+      ids_hi, ids_lo: ``uint32[S]``, the raw id tracked in each slot.
+      occupied: ``bool[S]``.
+      counts: ``int32[S]``, lookups of the slot's id since its admission.
+      last_seen: ``int32[S]``, the ``step`` of its last lookup.
+      sorted_hi, sorted_lo, sorted_slots: the tracked ids sorted (occupied
+        slots first), and their slots: what a lookup searches.
+      free_slots: ``int32[S]``, a stack: the free slots are
+        ``free_slots[:num_free]``, the next one admitted is the last.
+      num_free: ``int32``, free slots.
+      step: ``int32``, calls of ``remap`` so far.
+      admissions, evictions: ``int32``, ids admitted and evicted so far.
+      defaulted: ``int32``, looked-up ids served by the default (no row) so
+        far, every occurrence counted.
+    """
+
+    table_key: jax.Array
+    ids_hi: jax.Array
+    ids_lo: jax.Array
+    occupied: jax.Array
+    counts: jax.Array
+    last_seen: jax.Array
+    sorted_hi: jax.Array
+    sorted_lo: jax.Array
+    sorted_slots: jax.Array
+    free_slots: jax.Array
+    num_free: jax.Array
+    step: jax.Array
+    admissions: jax.Array
+    evictions: jax.Array
+    defaulted: jax.Array
+
+    @property
+    def num_slots(self) -> int:
+        """``S`` (static)."""
+        return int(self.occupied.shape[0])
+
+    @property
+    def occupancy(self) -> jax.Array:
+        """Tracked ids (occupied slots)."""
+        return self.num_slots - self.num_free
+
+    def stats(self) -> dict[str, jax.Array]:
+        """``{occupancy, admissions, evictions, defaulted, step}`` as scalars.
+
+        Example:
+          >>> import jaxslices as js
+          >>> mc = js.ManagedCollision("items", num_slots=4)
+          >>> rows, state, _ = mc.remap(mc.init(), [7, 7, 9])
+          >>> {k: int(v) for k, v in state.stats().items()}
+          {'occupancy': 2, 'admissions': 2, 'evictions': 0, 'defaulted': 0, 'step': 1}
+        """
+        return {
+            "occupancy": self.occupancy,
+            "admissions": self.admissions,
+            "evictions": self.evictions,
+            "defaulted": self.defaulted,
+            "step": self.step,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagedCollision:
+    """A managed-collision table's policy: raw ids to ``num_slots`` rows.
+
+    The configuration is static (hashable, a valid ``jax.jit`` static
+    argument); the state it works on is a :class:`RemapState` from
+    :meth:`init`. See the module :mod:`jaxslices.managed` docstring and
+    ``docs/managed.md`` for the rules (admission, the default, eviction).
+
+    Args:
+      name: the table's name; part of the state's identity, so a state made
+        for another table is refused.
+      num_slots: ``S``, the rows of the table the remapped ids index.
+      policy: ``"lfu"`` (least frequently used first) or ``"lru"`` (least
+        recently used first).
+      evict_every: evict in every ``evict_every``-th call of :meth:`remap`
+        (``None``: only on demand, :meth:`evict`).
+      evict_count: the free slots an eviction makes available (``E``): it
+        evicts ``max(0, E - free)`` ids. ``1 <= E <= num_slots``.
+
+    Raises:
+      ValueError: ``num_slots`` < 1 or above ``2**31 - 2``, an unknown
+        policy, ``evict_every`` < 1, or an ``evict_count`` the table cannot
+        hold (the table is too small for its policy).
+
+    Example:
+      >>> import jaxslices as js
+      >>> mc = js.ManagedCollision("items", num_slots=2, evict_count=1)
+      >>> rows, state, evicted = mc.remap(mc.init(), [10**12, 5, 5, 8])
+      >>> rows.tolist()  # 5 and 8 admitted (in id order); 10**12 gets no row
+      [2, 0, 0, 1]
+    """
+
+    name: str
+    num_slots: int
+    policy: Policy = "lfu"
+    evict_every: int | None = None
+    evict_count: int = 1
+
+    def __post_init__(self):
+        where = f"ManagedCollision({self.name!r})"
+        if not isinstance(self.name, str):
+            raise TypeError(f"{where}: `name` must be a str, got {self.name!r}.")
+        if not _is_int(self.num_slots) or not 1 <= self.num_slots <= _INT32_MAX - 1:
+            raise ValueError(
+                f"{where}: `num_slots` must be an int in [1, {_INT32_MAX - 1}], "
+                f"got {self.num_slots!r}."
+            )
+        if self.policy not in _POLICIES:
+            raise ValueError(
+                f"{where}: `policy` must be one of {_POLICIES}, got {self.policy!r}."
+            )
+        if self.evict_every is not None and (
+            not _is_int(self.evict_every) or self.evict_every < 1
+        ):
+            raise ValueError(
+                f"{where}: `evict_every` must be a positive int (calls of remap "
+                f"between evictions) or None (on demand only), got "
+                f"{self.evict_every!r}."
+            )
+        if not _is_int(self.evict_count) or not 1 <= self.evict_count <= self.num_slots:
+            raise ValueError(
+                f"{where}: the table is too small for its eviction policy: "
+                f"evict_count={self.evict_count!r} free slots per eviction, but "
+                f"num_slots={self.num_slots}. Give 1 <= evict_count <= num_slots "
+                "(evict_count is how many slots an eviction frees for new ids)."
+            )
+
+    # -- the state ------------------------------------------------------------
+    @property
+    def table_key(self) -> np.ndarray:
+        """The identity a state of this table carries: ``uint32[2]``."""
+        text = f"{self.name}\x00{self.num_slots}\x00{self.policy}".encode()
+        digest = hashlib.blake2b(text, digest_size=8).digest()
+        return np.frombuffer(digest, np.uint32).copy()
+
+    def init(self) -> RemapState:
+        """An empty state: every slot free, counters zero.
+
+        Example:
+          >>> import jaxslices as js
+          >>> js.ManagedCollision("t", num_slots=3).init().num_free.item()
+          3
+        """
+        S = self.num_slots
+        zeros_u = jnp.zeros((S,), jnp.uint32)
+        zeros_i = jnp.zeros((S,), jnp.int32)
+        scalar = jnp.zeros((), jnp.int32)
+        return RemapState(
+            table_key=jnp.asarray(self.table_key),
+            ids_hi=zeros_u,
+            ids_lo=zeros_u,
+            occupied=jnp.zeros((S,), bool),
+            counts=zeros_i,
+            last_seen=zeros_i,
+            sorted_hi=zeros_u,
+            sorted_lo=zeros_u,
+            sorted_slots=jnp.arange(S, dtype=jnp.int32),
+            free_slots=jnp.arange(S - 1, -1, -1, dtype=jnp.int32),  # 0 first
+            num_free=jnp.asarray(S, jnp.int32),
+            step=scalar,
+            admissions=scalar,
+            evictions=scalar,
+            defaulted=scalar,
+        )
+
+    def check_state(self, state: Any, where: str) -> RemapState:
+        """``state`` if it is a state of this table; else a clear error.
+
+        Shapes are checked at trace time; the identity (``table_key``)
+        eagerly, or under ``jit`` when the guarded result is used.
+        """
+        if not isinstance(state, RemapState):
+            raise TypeError(
+                f"{where}: `state` must be the RemapState of ManagedCollision"
+                f"({self.name!r}).init(), got {type(state).__name__}."
+            )
+        S = self.num_slots
+        if state.occupied.shape != (S,) or tuple(state.table_key.shape) != (2,):
+            raise ValueError(
+                f"{where}: the state is not one of table {self.name!r}: it has "
+                f"{state.occupied.shape[0] if state.occupied.ndim else '?'} slots, "
+                f"the table {S}. Use the state this table's init() made."
+            )
+        mine = self.table_key
+        other = jnp.any(jnp.asarray(state.table_key) != jnp.asarray(mine))
+        name = self.name
+
+        def error(hi: int, lo: int) -> Exception:
+            return ValueError(
+                f"{where}: the remap state belongs to another table (identity "
+                f"{hi & 0xFFFFFFFF:08x}{lo & 0xFFFFFFFF:08x}), not to "
+                f"ManagedCollision({name!r}, num_slots={S}, policy="
+                f"{self.policy!r}) (identity {int(mine[0]):08x}{int(mine[1]):08x}). "
+                "Pass each table its own state."
+            )
+
+        key = jax.lax.bitcast_convert_type(jnp.asarray(state.table_key), jnp.int32)
+        # guard the scalars every operation reads (the search bound, the step):
+        # two scalars threaded, not the S-sized arrays
+        num_free, step = _errors.raise_if(
+            other, (state.num_free, state.step), error, key[0], key[1]
+        )
+        return state._replace(num_free=num_free, step=step)
+
+    # -- the operations -------------------------------------------------------
+    def remap(
+        self, state: RemapState, ids: Any, mask: Any = None
+    ) -> tuple[jax.Array, RemapState, jax.Array]:
+        """Map raw ids to slots, admitting new ones; evict first when due.
+
+        Args:
+          state: this table's :class:`RemapState`.
+          ids: raw ids of any shape (any integer dtype, or
+            :class:`~jaxslices.RawIds`; see :func:`jaxslices.managed`).
+          mask: optional booleans of ``ids``' shape; ``False`` entries are
+            padding: not looked up, not counted, slot ``S``.
+
+        Returns:
+          ``(rows, new_state, evicted)``: ``rows`` ``int32`` of ``ids``' shape
+          in ``[0, S]`` (``S``: no row, the default); ``evicted`` ``int32[E]``,
+          the slots this call evicted (``E = evict_count``, unused entries
+          ``S``), whose rows and optimizer state to reset
+          (:func:`jaxslices.reset_rows`) before the table is read.
+
+        Example:
+          >>> import jaxslices as js
+          >>> mc = js.ManagedCollision("t", num_slots=3)
+          >>> rows, state, evicted = mc.remap(mc.init(), [40, 30, 40])
+          >>> rows.tolist(), evicted.tolist()
+          ([1, 0, 1], [3])
+        """
+        where = f"ManagedCollision({self.name!r}).remap"
+        state = self.check_state(state, where)
+        raw = as_raw_ids(ids, where)
+        shape = raw.shape
+        valid = _mask(mask, shape, where)
+        S, E = self.num_slots, self.evict_count
+        step = _saturating_add(state.step, 1)
+        state = state._replace(step=step)
+        if self.evict_every is None:
+            evicted = jnp.full((E,), S, jnp.int32)
+        else:
+            due = step % self.evict_every == 0
+            state, evicted = jax.lax.cond(
+                due,
+                self._evict,
+                lambda s: (s, jnp.full((E,), S, jnp.int32)),
+                state,
+            )
+        rows, state = _lookup_and_admit(
+            state, raw.hi.reshape(-1), raw.lo.reshape(-1), valid.reshape(-1)
+        )
+        return rows.reshape(shape), state, evicted
+
+    def evict(self, state: RemapState) -> tuple[RemapState, jax.Array]:
+        """Evict now (on demand): free slots until ``evict_count`` are free.
+
+        Returns:
+          ``(new_state, evicted)``, ``evicted`` ``int32[evict_count]``, unused
+          entries ``S``.
+
+        Example:
+          >>> import jaxslices as js
+          >>> mc = js.ManagedCollision("t", num_slots=2, policy="lru")
+          >>> _, state, _ = mc.remap(mc.init(), [4, 6])
+          >>> _, state, _ = mc.remap(state, [6])
+          >>> state, evicted = mc.evict(state)
+          >>> evicted.tolist()  # 4 (slot 0) was least recently used
+          [0]
+        """
+        state = self.check_state(state, f"ManagedCollision({self.name!r}).evict")
+        return self._evict(state)
+
+    def _evict(self, state: RemapState) -> tuple[RemapState, jax.Array]:
+        S, E = self.num_slots, self.evict_count
+        need = jnp.maximum(E - state.num_free, 0)
+        slot = jnp.arange(S, dtype=jnp.int32)
+        free = (~state.occupied).astype(jnp.int32)
+        if self.policy == "lfu":
+            keys = (free, state.counts, state.last_seen, slot)
+        else:
+            keys = (free, state.last_seen, state.counts, slot)
+        order = jax.lax.sort(keys, num_keys=4)[3][:E]
+        rank = jnp.arange(E, dtype=jnp.int32)
+        evicted = jnp.where(rank < need, order, S)
+        occupied = state.occupied.at[evicted].set(False, mode="drop")
+        zero_u, zero_i = jnp.uint32(0), jnp.int32(0)
+        # push onto the free stack, in rank order
+        push_at = jnp.where(rank < need, state.num_free + rank, S)
+        state = state._replace(
+            occupied=occupied,
+            ids_hi=state.ids_hi.at[evicted].set(zero_u, mode="drop"),
+            ids_lo=state.ids_lo.at[evicted].set(zero_u, mode="drop"),
+            counts=state.counts.at[evicted].set(zero_i, mode="drop"),
+            last_seen=state.last_seen.at[evicted].set(zero_i, mode="drop"),
+            free_slots=state.free_slots.at[push_at].set(evicted, mode="drop"),
+            num_free=state.num_free + need,
+            evictions=_saturating_add(state.evictions, need),
+        )
+        state = jax.lax.cond(need > 0, _rebuild_sorted, lambda s: s, state)
+        return state, evicted
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _saturating_add(a: jax.Array, b: Any) -> jax.Array:
+    b = jnp.asarray(b, jnp.int32)
+    return jnp.where(a > _INT32_MAX - b, _INT32_MAX, a + b)
+
+
+def _mask(mask: Any, shape: tuple[int, ...], where: str) -> jax.Array:
+    if mask is None:
+        return jnp.ones(shape, bool)
+    m = jnp.asarray(mask)
+    if m.dtype != jnp.bool_ or tuple(m.shape) != shape:
+        raise ValueError(
+            f"{where}: `mask` must be booleans of the ids' shape {list(shape)}, got "
+            f"{m.dtype}{list(m.shape)}."
+        )
+    return m
+
+
+def _less(ah, al, bh, bl):
+    return (ah < bh) | ((ah == bh) & (al < bl))
+
+
+def _rebuild_sorted(state: RemapState) -> RemapState:
+    """The sorted copy of the tracked ids, occupied slots first."""
+    S = state.num_slots
+    free = (~state.occupied).astype(jnp.int32)
+    slot = jnp.arange(S, dtype=jnp.int32)
+    _, hi, lo, slots = jax.lax.sort(
+        (free, state.ids_hi, state.ids_lo, slot), num_keys=3
+    )
+    return state._replace(sorted_hi=hi, sorted_lo=lo, sorted_slots=slots)
+
+
+def _search(state: RemapState, hi: jax.Array, lo: jax.Array) -> jax.Array:
+    """The slot of each id among the tracked ones, ``S`` if not tracked."""
+    S = state.num_slots
+    n = S - state.num_free
+    low = jnp.zeros(hi.shape, jnp.int32)
+    high = jnp.broadcast_to(n, hi.shape).astype(jnp.int32)
+
+    def body(_, bounds):
+        low, high = bounds
+        mid = (low + high) // 2
+        m = jnp.minimum(mid, S - 1)
+        go_right = (low < high) & _less(state.sorted_hi[m], state.sorted_lo[m], hi, lo)
+        return (
+            jnp.where(go_right, mid + 1, low),
+            jnp.where(go_right | (low >= high), high, mid),
+        )
+
+    low, _ = jax.lax.fori_loop(0, math.ceil(math.log2(S + 1)), body, (low, high))
+    at = jnp.minimum(low, S - 1)
+    hit = (low < n) & (state.sorted_hi[at] == hi) & (state.sorted_lo[at] == lo)
+    return jnp.where(hit, state.sorted_slots[at], S)
+
+
+def _lookup_and_admit(
+    state: RemapState, hi: jax.Array, lo: jax.Array, valid: jax.Array
+) -> tuple[jax.Array, RemapState]:
+    S = state.num_slots
+    N = hi.shape[0]
+    if N == 0:
+        return jnp.zeros((0,), jnp.int32), state
+    pos = jnp.arange(N, dtype=jnp.int32)
+    # sort the batch: valid ids first, equal ids adjacent
+    invalid = (~valid).astype(jnp.int32)
+    inv_s, hi_s, lo_s, perm = jax.lax.sort((invalid, hi, lo, pos), num_keys=3)
+    valid_s = inv_s == 0
+    first = valid_s & jnp.concatenate(
+        [jnp.ones((1,), bool), (hi_s[1:] != hi_s[:-1]) | (lo_s[1:] != lo_s[:-1])]
+    )
+    found = _search(state, hi_s, lo_s)
+    new = first & (found == S)
+    rank = jnp.cumsum(new.astype(jnp.int32)) - 1
+    admitted = new & (rank < state.num_free)
+    take = jnp.clip(state.num_free - 1 - rank, 0, S - 1)
+    assigned = jnp.where(admitted, state.free_slots[take], S)
+    slot_first = jnp.where(found < S, found, assigned)
+    run = jnp.cumsum(first.astype(jnp.int32)) - 1
+    run_slot = (
+        jnp.full((N,), S, jnp.int32)
+        .at[jnp.where(first, run, N)]
+        .set(slot_first, mode="drop")
+    )
+    slot_s = jnp.where(valid_s, run_slot[jnp.maximum(run, 0)], S)
+    rows = (
+        jnp.zeros((N,), jnp.int32)
+        .at[perm]
+        .set(slot_s, mode="drop", unique_indices=True)
+    )
+
+    n_admitted = jnp.sum(admitted.astype(jnp.int32))
+    target = jnp.where(admitted, assigned, S)  # admitted ids' slots, else dropped
+    counts = state.counts.at[target].set(0, mode="drop")
+    before = counts.at[rows].get(mode="fill", fill_value=0)
+    counts = counts.at[rows].add(1, mode="drop")
+    wrapped = counts.at[rows].get(mode="fill", fill_value=0) < before
+    counts = counts.at[jnp.where(wrapped, rows, S)].set(_INT32_MAX, mode="drop")
+    state = state._replace(
+        ids_hi=state.ids_hi.at[target].set(hi_s, mode="drop"),
+        ids_lo=state.ids_lo.at[target].set(lo_s, mode="drop"),
+        occupied=state.occupied.at[target].set(True, mode="drop"),
+        counts=counts,
+        last_seen=state.last_seen.at[rows].set(state.step, mode="drop"),
+        num_free=state.num_free - n_admitted,
+        admissions=_saturating_add(state.admissions, n_admitted),
+        defaulted=_saturating_add(
+            state.defaulted, jnp.sum((valid & (rows == S)).astype(jnp.int32))
+        ),
+    )
+    state = jax.lax.cond(n_admitted > 0, _rebuild_sorted, lambda s: s, state)
+    return rows, state
