@@ -45,6 +45,7 @@ The state's counters (``admissions``, ``evictions``, ``defaulted``, per-slot
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from typing import Any, Literal, NamedTuple
@@ -54,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _errors
-from ._raw import as_raw_ids
+from ._raw import RawIds, as_raw_ids
 
 __all__ = ["ManagedCollision", "RemapState"]
 
@@ -308,25 +309,9 @@ class ManagedCollision:
         where = f"ManagedCollision({self.name!r}).remap"
         state = self.check_state(state, where)
         raw = as_raw_ids(ids, where)
-        shape = raw.shape
-        valid = _mask(mask, shape, where)
-        S, E = self.num_slots, self.evict_count
-        step = _saturating_add(state.step, 1)
-        state = state._replace(step=step)
-        if self.evict_every is None:
-            evicted = jnp.full((E,), S, jnp.int32)
-        else:
-            due = step % self.evict_every == 0
-            state, evicted = jax.lax.cond(
-                due,
-                self._evict,
-                lambda s: (s, jnp.full((E,), S, jnp.int32)),
-                state,
-            )
-        rows, state = _lookup_and_admit(
-            state, raw.hi.reshape(-1), raw.lo.reshape(-1), valid.reshape(-1)
-        )
-        return rows.reshape(shape), state, evicted
+        valid = _mask(mask, raw.shape, where)
+        # one compiled function per table policy and ids shape, also eagerly
+        return _remap(self, state, raw, valid)
 
     def evict(self, state: RemapState) -> tuple[RemapState, jax.Array]:
         """Evict now (on demand): free slots until ``evict_count`` are free.
@@ -345,36 +330,61 @@ class ManagedCollision:
           [0]
         """
         state = self.check_state(state, f"ManagedCollision({self.name!r}).evict")
-        return self._evict(state)
+        return _evict(self, state)
 
-    def _evict(self, state: RemapState) -> tuple[RemapState, jax.Array]:
-        S, E = self.num_slots, self.evict_count
-        need = jnp.maximum(E - state.num_free, 0)
-        slot = jnp.arange(S, dtype=jnp.int32)
-        free = (~state.occupied).astype(jnp.int32)
-        if self.policy == "lfu":
-            keys = (free, state.counts, state.last_seen, slot)
-        else:
-            keys = (free, state.last_seen, state.counts, slot)
-        order = jax.lax.sort(keys, num_keys=4)[3][:E]
-        rank = jnp.arange(E, dtype=jnp.int32)
-        evicted = jnp.where(rank < need, order, S)
-        occupied = state.occupied.at[evicted].set(False, mode="drop")
-        zero_u, zero_i = jnp.uint32(0), jnp.int32(0)
-        # push onto the free stack, in rank order
-        push_at = jnp.where(rank < need, state.num_free + rank, S)
-        state = state._replace(
-            occupied=occupied,
-            ids_hi=state.ids_hi.at[evicted].set(zero_u, mode="drop"),
-            ids_lo=state.ids_lo.at[evicted].set(zero_u, mode="drop"),
-            counts=state.counts.at[evicted].set(zero_i, mode="drop"),
-            last_seen=state.last_seen.at[evicted].set(zero_i, mode="drop"),
-            free_slots=state.free_slots.at[push_at].set(evicted, mode="drop"),
-            num_free=state.num_free + need,
-            evictions=_saturating_add(state.evictions, need),
+
+@functools.partial(jax.jit, static_argnums=0)
+def _remap(
+    mc: ManagedCollision, state: RemapState, raw: RawIds, valid: jax.Array
+) -> tuple[jax.Array, RemapState, jax.Array]:
+    S, E = mc.num_slots, mc.evict_count
+    step = _saturating_add(state.step, 1)
+    state = state._replace(step=step)
+    if mc.evict_every is None:
+        evicted = jnp.full((E,), S, jnp.int32)
+    else:
+        due = step % mc.evict_every == 0
+        state, evicted = jax.lax.cond(
+            due,
+            functools.partial(_evict, mc),
+            lambda s: (s, jnp.full((E,), S, jnp.int32)),
+            state,
         )
-        state = jax.lax.cond(need > 0, _rebuild_sorted, lambda s: s, state)
-        return state, evicted
+    rows, state = _lookup_and_admit(
+        state, raw.hi.reshape(-1), raw.lo.reshape(-1), valid.reshape(-1)
+    )
+    return rows.reshape(raw.shape), state, evicted
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _evict(mc: ManagedCollision, state: RemapState) -> tuple[RemapState, jax.Array]:
+    S, E = mc.num_slots, mc.evict_count
+    need = jnp.maximum(E - state.num_free, 0)
+    slot = jnp.arange(S, dtype=jnp.int32)
+    free = (~state.occupied).astype(jnp.int32)
+    if mc.policy == "lfu":
+        keys = (free, state.counts, state.last_seen, slot)
+    else:
+        keys = (free, state.last_seen, state.counts, slot)
+    order = jax.lax.sort(keys, num_keys=4)[3][:E]
+    rank = jnp.arange(E, dtype=jnp.int32)
+    evicted = jnp.where(rank < need, order, S)
+    occupied = state.occupied.at[evicted].set(False, mode="drop")
+    zero_u, zero_i = jnp.uint32(0), jnp.int32(0)
+    # push onto the free stack, in rank order
+    push_at = jnp.where(rank < need, state.num_free + rank, S)
+    state = state._replace(
+        occupied=occupied,
+        ids_hi=state.ids_hi.at[evicted].set(zero_u, mode="drop"),
+        ids_lo=state.ids_lo.at[evicted].set(zero_u, mode="drop"),
+        counts=state.counts.at[evicted].set(zero_i, mode="drop"),
+        last_seen=state.last_seen.at[evicted].set(zero_i, mode="drop"),
+        free_slots=state.free_slots.at[push_at].set(evicted, mode="drop"),
+        num_free=state.num_free + need,
+        evictions=_saturating_add(state.evictions, need),
+    )
+    state = jax.lax.cond(need > 0, _rebuild_sorted, lambda s: s, state)
+    return state, evicted
 
 
 def _is_int(x: Any) -> bool:
