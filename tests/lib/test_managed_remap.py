@@ -40,7 +40,7 @@ class Model:
             occupied.sort(key=lambda s: (self.counts[s], self.last[s], s))
         else:
             occupied.sort(key=lambda s: (self.last[s], self.counts[s], s))
-        gone = occupied[:need]
+        gone = sorted(occupied[:need])  # returned and freed in slot order
         for s in gone:
             self.ids[s], self.counts[s], self.last[s] = None, 0, 0
             self.free.append(s)
