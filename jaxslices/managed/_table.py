@@ -407,7 +407,7 @@ def _kth_smallest(x: jax.Array, k: jax.Array, bits: int) -> jax.Array:
     def body(_, bounds):
         low, high = bounds
         mid = low + (high - low) // 2
-        enough = jnp.sum((x <= mid).astype(jnp.int32)) >= k
+        enough = jnp.sum(x <= mid, dtype=jnp.int32) >= k
         return jnp.where(enough, low, mid + 1), jnp.where(enough, mid, high)
 
     top = jnp.int32(min(2**bits - 1, _INT32_MAX))
@@ -428,10 +428,10 @@ def _lowest(
     k = jnp.maximum(need, 1)
     t1 = _kth_smallest(jnp.where(occupied, first, _INT32_MAX), k, 31)
     below1, at1 = occupied & (first < t1), occupied & (first == t1)
-    k2 = k - jnp.sum(below1.astype(jnp.int32))
+    k2 = k - jnp.sum(below1, dtype=jnp.int32)
     t2 = _kth_smallest(jnp.where(at1, then, _INT32_MAX), k2, 31)
     below2, at2 = at1 & (then < t2), at1 & (then == t2)
-    k3 = k2 - jnp.sum(below2.astype(jnp.int32))
+    k3 = k2 - jnp.sum(below2, dtype=jnp.int32)
     slot = jnp.arange(S, dtype=jnp.int32)
     bits = max(1, (S - 1).bit_length())
     t3 = _kth_smallest(jnp.where(at2, slot, 2**bits - 1), k3, bits)
@@ -506,12 +506,12 @@ def _lookup_and_admit(
     )
     found, place = _search(state, hi_s, lo_s)
     new = first & (found == S)
-    rank = jnp.cumsum(new.astype(jnp.int32)) - 1
+    rank = jnp.cumsum(new, dtype=jnp.int32) - 1
     admitted = new & (rank < state.num_free)
     take = jnp.clip(state.num_free - 1 - rank, 0, S - 1)
     assigned = jnp.where(admitted, state.free_slots[take], S)
     slot_first = jnp.where(found < S, found, assigned)
-    run = jnp.cumsum(first.astype(jnp.int32)) - 1
+    run = jnp.cumsum(first, dtype=jnp.int32) - 1
     run_slot = (
         jnp.full((N,), S, jnp.int32)
         .at[jnp.where(first, run, N)]
@@ -524,7 +524,7 @@ def _lookup_and_admit(
         .set(slot_s, mode="drop", unique_indices=True)
     )
 
-    n_admitted = jnp.sum(admitted.astype(jnp.int32))
+    n_admitted = jnp.sum(admitted, dtype=jnp.int32)
     num_free_before = state.num_free
     target = jnp.where(admitted, assigned, S)  # admitted ids' slots, else dropped
     counts = state.counts.at[target].set(0, mode="drop")
@@ -541,7 +541,7 @@ def _lookup_and_admit(
         num_free=state.num_free - n_admitted,
         admissions=_saturating_add(state.admissions, n_admitted),
         defaulted=_saturating_add(
-            state.defaulted, jnp.sum((valid & (rows == S)).astype(jnp.int32))
+            state.defaulted, jnp.sum(valid & (rows == S), dtype=jnp.int32)
         ),
     )
     merge = functools.partial(_merge_sorted, new=(hi_s, lo_s, assigned, place, rank))

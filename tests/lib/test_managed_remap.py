@@ -291,3 +291,34 @@ def test_a_state_from_another_table_is_refused():
         b.remap(js.ManagedCollision("b", num_slots=3).init(), [1])
     with pytest.raises(TypeError, match=r"`state` must be the RemapState"):
         b.remap({"not": "a state"}, [1])
+
+
+X64_CASE = """
+import jax, jax.numpy as jnp, numpy as np, jaxslices as js
+mc = js.ManagedCollision("t", num_slots=4, evict_every=2, evict_count=3)
+s0 = s = r0 = mc.init()
+ids = [[2**40, 5, 5], [7, 8, -1], [2**40, -1, 3], [11, 12, 13]]
+for b in ids:
+    rows, s, _ = jax.jit(mc.remap)(s, jnp.asarray(b, jnp.int64))  # split on device
+    raw, r0, _ = mc.remap(r0, js.RawIds.from_int64(np.array(b)))
+    assert rows.tolist() == raw.tolist(), (rows, raw)
+drift = [n for n, a, b in zip(s._fields, s0, s) if a.dtype != b.dtype]
+assert not drift, drift
+print("ok")
+"""
+
+
+def test_x64_ids_and_a_state_whose_dtypes_do_not_drift():
+    """Under ``jax_enable_x64`` int64 ids split on the device equal RawIds, and
+    the state keeps its int32 / uint32 dtypes (sums are int64 there)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    run = subprocess.run(
+        [sys.executable, "-c", X64_CASE], capture_output=True, text=True, env=env,
+        cwd=Path(__file__).resolve().parents[2], timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
