@@ -12,7 +12,8 @@ checkpointed with it), as TorchRec's ``MCHManagedCollisionModule`` does:
   :class:`~jaxslices.RawIds`); it gets its slot.
 * **Admission**: a raw id not tracked yet is admitted into a free slot, if one
   is left: the distinct new ids of a batch take free slots in the order of
-  their raw ids. While free slots remain, no two raw ids ever share a row.
+  their raw ids' low 32-bit words (then high words). While free slots
+  remain, no two raw ids ever share a row.
 * **Default**: an id not admitted (no free slot left) is served by **no row**:
   its slot is ``S``, out of the table's range, which every jaxslices lookup
   reads as zeros and which gets no gradient and touches no optimizer state
@@ -39,12 +40,13 @@ of probes: a probe sequence can run out while free slots remain, so an id
 would fall back to the default (or collide) with room in the table; the
 sorted copy finds a slot for every id while one is free, deterministically.
 
-Costs per ``remap`` of ``N`` ids: a sort of the ``N`` ids (duplicates are
-admitted once), ``N`` binary searches, and, in steps that admit, a merge of
-the admitted ids into the sorted copy: ``O(S)`` element-wise work and
-scatters, no sort (a ``lax.cond``: skipped in steps that admit nothing).
-Eviction finds the lowest scores by three binary searches on the score
-values (``O(S)`` counts each, no sort) and compacts the sorted copy
+Costs per ``remap`` of ``N`` ids: a sort of the ``N`` ids' low words (one
+array; duplicates are admitted once; a batch with two ids of one low word and
+different high words sorts the pairs instead), ``N`` binary searches, and, in
+steps that admit, a merge of the admitted ids into the sorted copy: ``O(S)``
+element-wise work and scatters, no sort (a ``lax.cond``: skipped in steps that
+admit nothing). Eviction finds the lowest scores by three binary searches on
+the score values (``O(S)`` counts each, no sort) and compacts the sorted copy
 (``O(S)``). Measured figures: ``docs/managed.md``.
 
 The state's counters (``admissions``, ``evictions``, ``defaulted``, per-slot
@@ -460,8 +462,9 @@ def _mask(mask: Any, shape: tuple[int, ...], where: str) -> jax.Array:
     return m
 
 
-def _less(ah, al, bh, bl):
-    return (ah < bh) | ((ah == bh) & (al < bl))
+def _less(al, ah, bl, bh):
+    """``(al, ah) < (bl, bh)``: ids ordered by their low word, then high."""
+    return (al < bl) | ((al == bl) & (ah < bh))
 
 
 def _search(
@@ -477,7 +480,7 @@ def _search(
         low, high = bounds
         mid = (low + high) // 2
         m = jnp.minimum(mid, S - 1)
-        go_right = (low < high) & _less(state.sorted_hi[m], state.sorted_lo[m], hi, lo)
+        go_right = (low < high) & _less(state.sorted_lo[m], state.sorted_hi[m], lo, hi)
         return (
             jnp.where(go_right, mid + 1, low),
             jnp.where(go_right | (low >= high), high, mid),
@@ -489,27 +492,66 @@ def _search(
     return jnp.where(hit, state.sorted_slots[at], S), low
 
 
-def _lookup_and_admit(
-    state: RemapState, hi: jax.Array, lo: jax.Array, valid: jax.Array
-) -> tuple[jax.Array, RemapState]:
-    S = state.num_slots
-    N = hi.shape[0]
-    if N == 0:
-        return jnp.zeros((0,), jnp.int32), state
+def _groups_by_low_word(
+    hi: jax.Array, lo: jax.Array, valid: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Each id's group (the first place of its low word among the batch's
+    sorted low words) and whether two valid ids of one group differ.
+
+    A sort of one array: an order of magnitude cheaper on XLA's CPU than a
+    sort with the ids' positions as a second operand. Two ids of one low word
+    and different high words (rare for hashed 64-bit ids) send the batch to
+    the exact path, :func:`_admit_exact`.
+    """
+    N = lo.shape[0]
+    group = jnp.searchsorted(jax.lax.sort(lo), lo, side="left").astype(jnp.int32)
+    at = jnp.where(valid, group, N)
+    top = jnp.full((N,), 0, jnp.uint32).at[at].max(hi, mode="drop")
+    bottom = jnp.full((N,), 0xFFFFFFFF, jnp.uint32).at[at].min(hi, mode="drop")
+    mixed = jnp.any(valid & (top[group] != bottom[group]))
+    return group, mixed
+
+
+def _admit_fast(group, hi, lo, valid, found, place, num_free, free_slots):
+    """Admission when a group is one id: per id, in batch order."""
+    N, S = hi.shape[0], free_slots.shape[0]
     pos = jnp.arange(N, dtype=jnp.int32)
-    # sort the batch: valid ids first, equal ids adjacent
+    at = jnp.where(valid, group, N)
+    first_pos = jnp.full((N,), N, jnp.int32).at[at].min(pos, mode="drop")
+    first = valid & (first_pos[group] == pos)
+    new = first & (found == S)
+    # rank of the new ids in the order of their low words (their groups)
+    flags = jnp.zeros((N,), jnp.int32).at[jnp.where(new, group, N)].set(1, mode="drop")
+    rank = (jnp.cumsum(flags, dtype=jnp.int32) - 1)[group]
+    admitted = new & (rank < num_free)
+    take = jnp.clip(num_free - 1 - rank, 0, S - 1)
+    assigned = jnp.where(admitted, free_slots[take], S)
+    slot_of_group = (
+        jnp.full((N,), S, jnp.int32)
+        .at[jnp.where(admitted, group, N)]
+        .set(assigned, mode="drop")
+    )
+    rows = jnp.where(valid, jnp.where(found < S, found, slot_of_group[group]), S)
+    return rows, hi, lo, assigned, place, rank
+
+
+def _admit_exact(group, hi, lo, valid, found, place, num_free, free_slots):
+    """Admission by a sort of the batch by (low, high) word: any ids."""
+    del group
+    N, S = hi.shape[0], free_slots.shape[0]
+    pos = jnp.arange(N, dtype=jnp.int32)
     invalid = (~valid).astype(jnp.int32)
-    inv_s, hi_s, lo_s, perm = jax.lax.sort((invalid, hi, lo, pos), num_keys=3)
+    inv_s, lo_s, hi_s, perm = jax.lax.sort((invalid, lo, hi, pos), num_keys=3)
     valid_s = inv_s == 0
     first = valid_s & jnp.concatenate(
         [jnp.ones((1,), bool), (hi_s[1:] != hi_s[:-1]) | (lo_s[1:] != lo_s[:-1])]
     )
-    found, place = _search(state, hi_s, lo_s)
+    found, place = found[perm], place[perm]
     new = first & (found == S)
     rank = jnp.cumsum(new, dtype=jnp.int32) - 1
-    admitted = new & (rank < state.num_free)
-    take = jnp.clip(state.num_free - 1 - rank, 0, S - 1)
-    assigned = jnp.where(admitted, state.free_slots[take], S)
+    admitted = new & (rank < num_free)
+    take = jnp.clip(num_free - 1 - rank, 0, S - 1)
+    assigned = jnp.where(admitted, free_slots[take], S)
     slot_first = jnp.where(found < S, found, assigned)
     run = jnp.cumsum(first, dtype=jnp.int32) - 1
     run_slot = (
@@ -523,6 +565,25 @@ def _lookup_and_admit(
         .at[perm]
         .set(slot_s, mode="drop", unique_indices=True)
     )
+    return rows, hi_s, lo_s, assigned, place, rank
+
+
+def _lookup_and_admit(
+    state: RemapState, hi: jax.Array, lo: jax.Array, valid: jax.Array
+) -> tuple[jax.Array, RemapState]:
+    S = state.num_slots
+    N = hi.shape[0]
+    if N == 0:
+        return jnp.zeros((0,), jnp.int32), state
+    found, place = _search(state, hi, lo)
+    group, mixed = _groups_by_low_word(hi, lo, valid)
+    rows, hi_s, lo_s, assigned, place, rank = jax.lax.cond(
+        mixed,
+        _admit_exact,
+        _admit_fast,
+        group, hi, lo, valid, found, place, state.num_free, state.free_slots,
+    )  # fmt: skip
+    admitted = assigned < S
 
     n_admitted = jnp.sum(admitted, dtype=jnp.int32)
     num_free_before = state.num_free

@@ -52,9 +52,8 @@ class Model:
         due = self.every is not None and self.step % self.every == 0
         evicted = self.evict() if due else [self.S] * self.E
         where = {v: s for s, v in enumerate(self.ids) if v is not None}
-        new = sorted(
-            {i % U64 for i, m in zip(ids, mask, strict=True) if m} - set(where)
-        )
+        new = {i % U64 for i, m in zip(ids, mask, strict=True) if m} - set(where)
+        new = sorted(new, key=lambda v: (v & 0xFFFFFFFF, v >> 32))  # low word first
         for v in new:
             if not self.free:
                 break
