@@ -89,8 +89,9 @@ class RemapState(NamedTuple):
       occupied: ``bool[S]``.
       counts: ``int32[S]``, lookups of the slot's id since its admission.
       last_seen: ``int32[S]``, the ``step`` of its last lookup.
-      sorted_hi, sorted_lo, sorted_slots: the tracked ids sorted (occupied
-        slots first), and their slots: what a lookup searches.
+      sorted_hi, sorted_lo, sorted_slots: the tracked ids sorted by low
+        word, then high word, and their slots, in the first ``occupancy``
+        entries: what a lookup searches.
       free_slots: ``int32[S]``, a stack: the free slots are
         ``free_slots[:num_free]``, the next one admitted is the last.
       num_free: ``int32``, free slots.
