@@ -43,6 +43,11 @@ from .embedding import embedding_lookup as embedding_lookup
 from .jagged import JaggedIds as JaggedIds
 from .jagged import check_jagged as check_jagged
 from .keyed import KeyedJaggedIds as KeyedJaggedIds
+from .managed import ManagedCollision as ManagedCollision
+from .managed import RawIds as RawIds
+from .managed import RemapState as RemapState
+from .managed import remap_keyed as remap_keyed
+from .managed import reset_rows as reset_rows
 from .max_norm import apply_max_norm as apply_max_norm
 from .slices import IndexedSlices as IndexedSlices
 from .slices import coalesce as coalesce
@@ -155,6 +160,12 @@ __all__ = [
     "Buffer",
     "EmbeddingCollection",
     "TableConfig",
+    # managed-collision tables (raw ids without a vocabulary)
+    "ManagedCollision",
+    "RawIds",
+    "RemapState",
+    "remap_keyed",
+    "reset_rows",
     # namespaces
     "capacity",
     "kernels",

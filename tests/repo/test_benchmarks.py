@@ -567,3 +567,15 @@ def test_repo_modules_load_without_the_root_on_sys_path(tmp_path):
         str(root / "tools" / "hlo.py"),
         str(root / "examples" / "criteo_synth.py"),
     ]
+
+
+def test_managed_bench_smoke(bench, tmp_path):
+    report = bench("managed_bench").main(
+        num_rows=512, dim=4, batch=16, bag=2, num_batches=2, warmup_batches=2,
+        steps=1, passes=1, out=str(tmp_path),
+    )  # fmt: skip
+    assert set(report["ms"]) == {
+        "pre_remapped", "with_remap", "with_remap_evicting", "evict_then_refill"
+    }  # fmt: skip
+    assert report["workload"]["distinct_ids"] == 4 * 512
+    assert (tmp_path / "managed_bench_cpu.json").exists()

@@ -1,0 +1,155 @@
+"""The step with a managed-collision remap vs the same step on pre-remapped ids.
+
+One training step (``embedding_bag`` + ``value_and_grad`` + Adagrad +
+``apply_updates``, donated) over a table of ``--num-rows`` slots, on a
+stream of raw 64-bit ids drawn with Zipf popularity from ``4 x num_rows``
+distinct ids (the remap state warmed up on it first, so the table is full
+and ids keep arriving). Configurations, interleaved:
+
+* ``pre_remapped``: the step on the rows the managed table gave those ids
+  (the remap done beforehand: the floor);
+* ``with_remap``: remap + ``reset_rows`` + the step, no eviction due;
+* ``with_remap_evicting``: the same with an eviction in every step (down to
+  ``batch`` free slots);
+* ``evict_then_refill``: an on-demand eviction of the full state (donated),
+  then a remap of one batch into the freed slots (no training step).
+
+The issue's goals: ``with_remap`` within 1.3x of ``pre_remapped``, and an
+eviction within one step's time at ``num_rows = 2**20``.
+
+Run: ``python benchmarks/managed_bench.py --num-rows 1048576 --passes 10
+--out benchmarks/results/<yyyy-mm>-cpu-managed``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _common import environment, interleave, rows_passes_out, save_json, timed_report
+
+import jaxslices as js
+
+
+def main(
+    num_rows: int = 1 << 20,
+    dim: int = 64,
+    batch: int = 1024,
+    bag: int = 4,
+    num_batches: int = 8,
+    warmup_batches: int = 16,
+    steps: int = 10,
+    passes: int = 10,
+    seed: int = 0,
+    out: str | None = None,
+) -> dict:
+    rng = np.random.default_rng(seed)
+    distinct = 4 * num_rows
+    raw_of = rng.integers(0, 2**62, size=distinct, dtype=np.int64)
+
+    def draw():
+        ranks = np.minimum(rng.zipf(1.2, size=(batch, bag)) - 1, distinct - 1)
+        return js.RawIds.from_int64(raw_of[ranks])
+
+    opt = js.adagrad(0.05)
+    managers = {
+        name: js.ManagedCollision(
+            "bench", num_slots=num_rows, evict_every=every, evict_count=batch * bag
+        )
+        for name, every in (("with_remap", None), ("with_remap_evicting", 1))
+    }
+    warm = managers["with_remap_evicting"]
+    remap_state = warm.init()
+    for _ in range(warmup_batches):
+        _, remap_state, _ = warm.remap(remap_state, draw())
+    batches = [draw() for _ in range(num_batches)]
+    rows = []
+    for raw in batches:
+        r, _, _ = warm.remap(remap_state, raw)
+        rows.append(r)
+    y = jnp.asarray(rng.normal(size=batch), jnp.float32)
+
+    def loss(params, rows):
+        e = js.embedding_bag(params["emb"], rows, combiner="sum")
+        return jnp.mean((e @ params["w"] - y) ** 2)
+
+    def train(params, opt_state, rows):
+        _, grads = js.value_and_grad(loss)(params, rows)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return js.apply_updates(params, updates), opt_state
+
+    def remapped(mc):
+        def step(params, opt_state, remap_state, raw):
+            rows, remap_state, evicted = mc.remap(remap_state, raw)
+            params, opt_state = js.reset_rows(
+                params, opt_state, evicted, 0.0, where=lambda p: p["emb"], optimizer=opt
+            )
+            return (*train(params, opt_state, rows), remap_state)
+
+        return jax.jit(step, donate_argnums=(0, 1, 2))
+
+    def fresh():
+        params = {
+            "emb": jnp.zeros((num_rows, dim), jnp.float32),
+            "w": jnp.ones((dim,), jnp.float32),
+        }
+        return params, opt.init(params)
+
+    live: dict = {}
+    fns = {}
+    plain = jax.jit(train, donate_argnums=(0, 1))
+    live["pre_remapped"] = fresh()
+    cycle_rows = itertools.cycle(rows)
+
+    def run_plain():
+        live["pre_remapped"] = plain(*live["pre_remapped"], next(cycle_rows))
+        jax.block_until_ready(live["pre_remapped"])
+
+    fns["pre_remapped"] = run_plain
+    for name, mc in managers.items():
+        step, cycle = remapped(mc), itertools.cycle(batches)
+        live[name] = (*fresh(), jax.tree.map(jnp.copy, remap_state))
+
+        def run(name=name, step=step, cycle=cycle):
+            live[name] = step(*live[name], next(cycle))
+            jax.block_until_ready(live[name])
+
+        fns[name] = run
+    evict = jax.jit(lambda s: warm.evict(s), donate_argnums=0)
+    full = {"state": jax.tree.map(jnp.copy, remap_state)}
+
+    def run_evict():
+        # a full table each time: evict, then refill the freed slots
+        state, _ = evict(full["state"])
+        _, state, _ = warm.remap(state, batches[0])
+        full["state"] = jax.block_until_ready(state)
+
+    fns["evict_then_refill"] = run_evict
+    env = environment()
+    times = interleave(fns, steps, passes)
+    report = timed_report(
+        env,
+        {
+            "num_rows": num_rows,
+            "dim": dim,
+            "batch": batch,
+            "bag": bag,
+            "distinct_ids": distinct,
+            "zipf": 1.2,
+            "num_batches": num_batches,
+            "steps": steps,
+            "passes": passes,
+        },
+        times,
+    )
+    save_json(report, out, f"managed_bench_{jax.default_backend()}.json")
+    return report
+
+
+if __name__ == "__main__":
+    args = rows_passes_out(__doc__)
+    result = main(num_rows=args.num_rows, passes=args.passes, out=args.out)
+    for name, s in result["ms"].items():
+        print(name, s)

@@ -1,0 +1,323 @@
+"""Managed-collision remap (``jaxslices.managed``): the state against a NumPy model.
+
+The model (:class:`Model`) is the policy of ``docs/managed.md`` written with
+Python dicts and lists: admission of a batch's distinct new ids into free
+slots in the order of their (unsigned 64-bit) values, the free slots a stack,
+eviction every ``evict_every`` calls before admission, LFU / LRU scores with
+their tie-breaks. Hypothesis draws id streams (64-bit values, repeats, masked
+entries); every call's rows, evicted slots and the whole state must equal the
+model's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxslices as js
+
+U64 = 2**64
+
+
+class Model:
+    """The remap policy in plain Python."""
+
+    def __init__(self, S: int, policy: str, evict_every: int | None, E: int):
+        self.S, self.policy, self.every, self.E = S, policy, evict_every, E
+        self.ids: list[int | None] = [None] * S
+        self.counts, self.last = [0] * S, [0] * S
+        self.free = list(range(S - 1, -1, -1))
+        self.step = self.admissions = self.evictions = self.defaulted = 0
+
+    def evict(self) -> list[int]:
+        need = max(0, self.E - len(self.free))
+        occupied = [s for s in range(self.S) if self.ids[s] is not None]
+        if self.policy == "lfu":
+            occupied.sort(key=lambda s: (self.counts[s], self.last[s], s))
+        else:
+            occupied.sort(key=lambda s: (self.last[s], self.counts[s], s))
+        gone = sorted(occupied[:need])  # returned and freed in slot order
+        for s in gone:
+            self.ids[s], self.counts[s], self.last[s] = None, 0, 0
+            self.free.append(s)
+        self.evictions += need
+        return gone + [self.S] * (self.E - need)
+
+    def remap(self, ids: list[int], mask: list[bool]) -> tuple[list[int], list[int]]:
+        self.step += 1
+        due = self.every is not None and self.step % self.every == 0
+        evicted = self.evict() if due else [self.S] * self.E
+        where = {v: s for s, v in enumerate(self.ids) if v is not None}
+        new = {i % U64 for i, m in zip(ids, mask, strict=True) if m} - set(where)
+        new = sorted(new, key=lambda v: (v & 0xFFFFFFFF, v >> 32))  # low word first
+        for v in new:
+            if not self.free:
+                break
+            s = self.free.pop()
+            where[v], self.ids[s], self.counts[s] = s, v, 0
+            self.admissions += 1
+        rows = [
+            where.get(i % U64, self.S) if m else self.S
+            for i, m in zip(ids, mask, strict=True)
+        ]
+        for r, m in zip(rows, mask, strict=True):
+            if m and r < self.S:
+                self.counts[r] += 1
+                self.last[r] = self.step
+            elif m:
+                self.defaulted += 1
+        return rows, evicted
+
+    def check(self, state: js.RemapState) -> None:
+        hi = np.asarray(state.ids_hi).astype(np.uint64)
+        lo = np.asarray(state.ids_lo).astype(np.uint64)
+        got = [int(h) << 32 | int(low) for h, low in zip(hi, lo, strict=True)]
+        occupied = np.asarray(state.occupied).tolist()
+        assert occupied == [v is not None for v in self.ids]
+        assert [
+            g if o else None for g, o in zip(got, occupied, strict=True)
+        ] == self.ids
+        assert np.asarray(state.counts).tolist() == self.counts
+        assert np.asarray(state.last_seen).tolist() == self.last
+        n = int(state.num_free)
+        assert np.asarray(state.free_slots)[:n].tolist() == self.free
+        stats = {k: int(v) for k, v in state.stats().items()}
+        assert stats == {
+            "occupancy": self.S - len(self.free),
+            "admissions": self.admissions,
+            "evictions": self.evictions,
+            "defaulted": self.defaulted,
+            "step": self.step,
+        }
+
+
+BATCH = 6
+#: a small pool of raw ids (64-bit, negative, 32-bit edges): streams repeat ids
+POOL = [0, 1, 7, -1, 2**31 - 1, 2**32, 2**32 + 1, 2**40 + 7, -(2**63), 2**63 - 1]
+
+stream = st.lists(
+    st.lists(
+        st.tuples(st.sampled_from(POOL), st.booleans() | st.just(True)),
+        min_size=BATCH,
+        max_size=BATCH,
+    ),
+    min_size=1,
+    max_size=7,
+)
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+@settings(max_examples=12, deadline=None)
+@given(batches=stream)
+def test_remap_equals_the_numpy_model(policy, batches):
+    mc = js.ManagedCollision(
+        "t", num_slots=4, policy=policy, evict_every=2, evict_count=2
+    )
+    remap = mc.remap  # compiled once per policy and shape, eagerly too
+    model = Model(4, policy, 2, 2)
+    state = mc.init()
+    for batch in batches:
+        ids = [i for i, _ in batch]
+        mask = [m for _, m in batch]
+        rows, state, evicted = remap(
+            state, js.RawIds.from_int64(np.array(ids, np.int64)), np.array(mask)
+        )
+        want_rows, want_evicted = model.remap(ids, mask)
+        assert np.asarray(rows).tolist() == want_rows
+        assert np.asarray(evicted).tolist() == want_evicted
+        model.check(state)
+    state, evicted = mc.evict(state)  # on demand too
+    assert np.asarray(evicted).tolist() == model.evict()
+    model.check(state)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    batches=st.lists(
+        st.lists(st.integers(-(2**63), 2**63 - 1), min_size=5, max_size=5),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_no_collision_while_free_slots_remain(batches):
+    """Every distinct id gets its own row as long as the table has room."""
+    mc = js.ManagedCollision("t", num_slots=25)  # 5 batches x 5 ids fit
+    remap = mc.remap
+    state, seen = mc.init(), {}
+    for batch in batches:
+        rows, state, _ = remap(state, js.RawIds.from_int64(np.array(batch, np.int64)))
+        for i, r in zip(batch, np.asarray(rows).tolist(), strict=True):
+            assert r < 25  # never the default while slots are free
+            assert seen.setdefault(i, r) == r  # one id, one row, every time
+    assert len(set(seen.values())) == len(seen)  # no two ids share a row
+    assert int(state.occupancy) == len(seen) and int(state.defaulted) == 0
+
+
+def test_full_table_serves_the_default_and_counts_it():
+    mc = js.ManagedCollision("t", num_slots=2)
+    rows, state, evicted = mc.remap(mc.init(), [5, 6, 7, 7])
+    assert rows.tolist() == [0, 1, 2, 2] and evicted.tolist() == [2]
+    assert int(state.defaulted) == 2 and int(state.occupancy) == 2
+
+
+def test_eager_and_jit_are_bitwise_equal():
+    mc = js.ManagedCollision(
+        "t", num_slots=5, policy="lfu", evict_every=3, evict_count=2
+    )
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 12, size=(2, 4)) for _ in range(4)]
+    eager = jitted = mc.init()
+    remap = jax.jit(mc.remap)
+    for ids in batches:
+        r1, eager, e1 = mc.remap(eager, ids.astype(np.int32))
+        r2, jitted, e2 = remap(jitted, jnp.asarray(ids, jnp.int32))
+        assert r1.shape == (2, 4)
+        np.testing.assert_array_equal(r1, r2)
+        np.testing.assert_array_equal(e1, e2)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_remap_compiles_once_in_a_loop():
+    mc = js.ManagedCollision("t", num_slots=8, evict_every=2)
+    traces = []
+
+    @jax.jit
+    def step(state, ids):
+        traces.append(1)
+        return mc.remap(state, ids)
+
+    state = mc.init()
+    for k in range(4):
+        _, state, _ = step(state, jnp.arange(3, dtype=jnp.int32) + 3 * k)
+    assert len(traces) == 1
+
+
+def test_raw_id_dtypes_name_one_value():
+    """int32 -1, int64 -1 and RawIds of -1 are one id; uint32 0xFFFFFFFF another."""
+    mc = js.ManagedCollision("t", num_slots=4)
+    state = mc.init()
+    r, state, _ = mc.remap(state, jnp.array([-1], jnp.int32))
+    r64, state, _ = mc.remap(state, np.array([-1], np.int64))
+    rraw, state, _ = mc.remap(state, js.RawIds.from_int64(np.array([-1])))
+    ru, state, _ = mc.remap(state, jnp.array([0xFFFFFFFF], jnp.uint32))
+    r8, state, _ = mc.remap(state, np.array([-1], np.int8))
+    assert r.tolist() == r64.tolist() == rraw.tolist() == r8.tolist() == [0]
+    assert ru.tolist() == [1]
+
+
+def test_raw_ids_from_int64_and_strings():
+    ids = np.array([0, 1, -1, 2**40 + 5, -(2**63)], np.int64)
+    raw = js.RawIds.from_int64(ids)
+    back = (np.asarray(raw.hi).astype(np.uint64) << np.uint64(32)) | np.asarray(
+        raw.lo
+    ).astype(np.uint64)
+    np.testing.assert_array_equal(back.view(np.int64), ids)
+    a = js.RawIds.from_strings(["user:1", "user:2", "user:1"])
+    b = js.RawIds.from_strings(["user:1"])
+    assert a.hi[0] == a.hi[2] == b.hi[0] and a.lo[0] == a.lo[2] == b.lo[0]
+    assert (a.hi[0], a.lo[0]) != (a.hi[1], a.lo[1])
+    # stable across processes: BLAKE2b, not Python's salted hash
+    assert (int(b.hi[0]), int(b.lo[0])) == _blake("user:1")
+    mc = js.ManagedCollision("t", num_slots=4)
+    rows, _, _ = mc.remap(mc.init(), a)
+    assert rows.tolist()[0] == rows.tolist()[2] != rows.tolist()[1]
+
+
+def _blake(text: str) -> tuple[int, int]:
+    import hashlib
+
+    v = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest())
+    return v >> 32, v & 0xFFFFFFFF
+
+
+# -- bad input -----------------------------------------------------------------
+
+
+def test_table_too_small_for_its_policy():
+    with pytest.raises(ValueError, match=r"evict_count=5 .*num_slots=4"):
+        js.ManagedCollision("t", num_slots=4, evict_count=5)
+    with pytest.raises(ValueError, match=r"`num_slots` .* got 0"):
+        js.ManagedCollision("t", num_slots=0)
+    with pytest.raises(ValueError, match=r"`policy` must be one of .* got 'fifo'"):
+        js.ManagedCollision("t", num_slots=4, policy="fifo")
+    with pytest.raises(ValueError, match=r"`evict_every` .* got 0"):
+        js.ManagedCollision("t", num_slots=4, evict_every=0)
+
+
+@pytest.mark.parametrize("ids", [np.array([1.0, 2.0]), np.array([True, False])])
+def test_ids_of_the_wrong_dtype(ids):
+    mc = js.ManagedCollision("t", num_slots=4)
+    with pytest.raises(
+        TypeError, match=rf"raw ids must be integers.*got dtype {ids.dtype}"
+    ):
+        mc.remap(mc.init(), ids)
+    with pytest.raises(TypeError, match=r"`hi` must be uint32 .* got int32"):
+        js.RawIds(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.uint32))
+    with pytest.raises(TypeError, match=r"every item must be a str, got int"):
+        js.RawIds.from_strings(["a", 3])
+
+
+def test_mask_of_the_wrong_shape():
+    mc = js.ManagedCollision("t", num_slots=4)
+    with pytest.raises(
+        ValueError, match=r"`mask` must be booleans of the ids' shape \[3\]"
+    ):
+        mc.remap(mc.init(), [1, 2, 3], mask=np.ones(2, bool))
+
+
+def test_a_state_from_another_table_is_refused():
+    a = js.ManagedCollision("a", num_slots=4)
+    b = js.ManagedCollision("b", num_slots=4)
+    wrong = a.init()
+    with pytest.raises(
+        ValueError, match=r"belongs to another table .*ManagedCollision\('b'"
+    ):
+        b.remap(wrong, [1])
+    with pytest.raises(ValueError, match=r"belongs to another table"):
+        b.evict(wrong)
+    with pytest.raises(Exception, match=r"belongs to another table") as info:
+        jax.block_until_ready(jax.jit(b.remap)(wrong, jnp.array([1], jnp.int32)))
+    assert isinstance(info.value, (ValueError, jax.errors.JaxRuntimeError))
+    # the right state passes under jit
+    rows, _, _ = jax.jit(b.remap)(b.init(), jnp.array([1], jnp.int32))
+    assert rows.tolist() == [0]
+    with pytest.raises(ValueError, match=r"it has 3 slots, the table 4"):
+        b.remap(js.ManagedCollision("b", num_slots=3).init(), [1])
+    with pytest.raises(TypeError, match=r"`state` must be the RemapState"):
+        b.remap({"not": "a state"}, [1])
+
+
+X64_CASE = """
+import jax, jax.numpy as jnp, numpy as np, jaxslices as js
+mc = js.ManagedCollision("t", num_slots=4, evict_every=2, evict_count=3)
+s0 = s = r0 = mc.init()
+ids = [[2**40, 5, 5], [7, 8, -1], [2**40, -1, 3], [11, 12, 13]]
+for b in ids:
+    rows, s, _ = jax.jit(mc.remap)(s, jnp.asarray(b, jnp.int64))  # split on device
+    raw, r0, _ = mc.remap(r0, js.RawIds.from_int64(np.array(b)))
+    assert rows.tolist() == raw.tolist(), (rows, raw)
+drift = [n for n, a, b in zip(s._fields, s0, s) if a.dtype != b.dtype]
+assert not drift, drift
+print("ok")
+"""
+
+
+def test_x64_ids_and_a_state_whose_dtypes_do_not_drift():
+    """Under ``jax_enable_x64`` int64 ids split on the device equal RawIds, and
+    the state keeps its int32 / uint32 dtypes (sums are int64 there)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    run = subprocess.run(
+        [sys.executable, "-c", X64_CASE], capture_output=True, text=True, env=env,
+        cwd=Path(__file__).resolve().parents[2], timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
