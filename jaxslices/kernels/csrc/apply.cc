@@ -82,16 +82,13 @@ static void Apply(const Recipe<IdT>& r, float* table, int64_t num_rows,
   auto ahead = [&](int64_t j) {
     PrefetchRow(table + static_cast<int64_t>(u[j]) * R, R, true);
   };
-  const int64_t threads = t.For(r.num_slots);
-  if (threads > 1) {
-    CoalesceParallel(r, num_rows, r.num_slots, rows, u, &total, t, threads,
-                     add_row, ahead);
-    return;
-  }
-  Coalesce(r, num_rows, false, r.num_slots, rows, u, &total, [&](int64_t j) {
-    if (j + kPrefetch < total) ahead(j + kPrefetch);
-    add_row(j);
-  });
+  Coalesce(
+      r, num_rows, false, r.num_slots, rows, u, &total,
+      [&](int64_t j) {
+        if (j + kPrefetch < total) ahead(j + kPrefetch);
+        add_row(j);
+      },
+      &t, t.For(r.num_slots));
 }
 
 template <ffi::DataType kId>

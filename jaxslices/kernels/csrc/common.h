@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -247,6 +248,9 @@ std::vector<T>& ThreadScratch() {
 // row is short, so they wait on memory without it.
 constexpr int64_t kPrefetch = 8;
 
+// Slots [lo, hi) of `n` in the unit u of `units` (contiguous ranges).
+inline int64_t UnitBegin(int64_t u, int64_t units, int64_t n) { return u * n / units; }
+
 // Prefetch the cache lines of one row of `n` floats (for writing if `write`).
 inline void PrefetchRow(const float* p, int64_t n, bool write) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -288,12 +292,13 @@ inline void Axpy(float* acc, const float* x, float f, int64_t r, bool first) {
 // each. W > 0: the row width at compile time, so that the sum stays in
 // registers and each row is written once; W = 0: any width.
 template <int W, typename Id, typename OnRow>
-void SumGroups(const Recipe<Id>& r, int64_t count, const int32_t* start,
-               const int32_t* order, const int32_t* src_row,
-               const int32_t* dest, float* rows, OnRow&& on_row) {
+void SumGroups(const Recipe<Id>& r, int64_t j0, int64_t count,
+               const int32_t* start, const int32_t* order,
+               const int32_t* src_row, const int32_t* dest, float* rows,
+               OnRow&& on_row) {
   const int64_t R = W > 0 ? W : r.row;
-  int64_t begin = 0;
-  for (int64_t j = 0; j < count; ++j) {
+  int64_t begin = j0 == 0 ? 0 : start[j0 - 1];
+  for (int64_t j = j0; j < count; ++j) {
     float* out = rows + (dest ? static_cast<int64_t>(dest[j]) : j) * R;
     if constexpr (W > 0) {
       float acc[W > 0 ? W : 1];
@@ -322,16 +327,22 @@ void SumGroups(const Recipe<Id>& r, int64_t count, const int32_t* start,
   }
 }
 
+// Groups j0 .. count - 1 (the slots of group j end at start[j]).
 template <typename Id, typename OnRow>
-void SumGroupsAnyWidth(const Recipe<Id>& r, int64_t count, const int32_t* start,
-                       const int32_t* order, const int32_t* src_row,
-                       const int32_t* dest, float* rows, OnRow&& on_row) {
+void SumGroupsAnyWidth(const Recipe<Id>& r, int64_t j0, int64_t count,
+                       const int32_t* start, const int32_t* order,
+                       const int32_t* src_row, const int32_t* dest, float* rows,
+                       OnRow&& on_row) {
+  auto g = [&](auto width) {
+    SumGroups<decltype(width)::value>(r, j0, count, start, order, src_row, dest,
+                                      rows, on_row);
+  };
   switch (r.row) {  // rows of a fixed width are summed in registers
-    case 16: return SumGroups<16>(r, count, start, order, src_row, dest, rows, on_row);
-    case 32: return SumGroups<32>(r, count, start, order, src_row, dest, rows, on_row);
-    case 64: return SumGroups<64>(r, count, start, order, src_row, dest, rows, on_row);
-    case 128: return SumGroups<128>(r, count, start, order, src_row, dest, rows, on_row);
-    default: return SumGroups<0>(r, count, start, order, src_row, dest, rows, on_row);
+    case 16: return g(std::integral_constant<int, 16>{});
+    case 32: return g(std::integral_constant<int, 32>{});
+    case 64: return g(std::integral_constant<int, 64>{});
+    case 128: return g(std::integral_constant<int, 128>{});
+    default: return g(std::integral_constant<int, 0>{});
   }
 }
 
@@ -360,10 +371,15 @@ inline void GroupSlots(const int32_t* key, const int32_t* slots, int64_t n,
 // cache). Returns count, or -1 if more than `capacity` distinct ids were
 // found: then on_row is never called, nothing is written past `capacity`,
 // and `*total` holds the true count.
+//
+// With `threads` > 1 (and `t`), the distinct ids' sums and on_row calls are
+// split between threads in ranges of j (each id's slots summed by one
+// thread, in slot order; on_row(j) then runs on any thread, each j once).
 template <typename Id, typename OnRow>
 int64_t Coalesce(const Recipe<Id>& r, int64_t num_rows, bool coalesced,
                  int64_t capacity, float* rows, Id* uids, int64_t* total,
-                 OnRow&& on_row) {
+                 OnRow&& on_row, const Threads* t = nullptr,
+                 int64_t threads = 1) {
   const int64_t n = r.num_slots;
   int64_t count = 0;
   auto rows_of = r.cursor();
@@ -424,19 +440,26 @@ int64_t Coalesce(const Recipe<Id>& r, int64_t num_rows, bool coalesced,
   *total = count;
   if (count > capacity) return -1;
   GroupSlots(slot_j, nullptr, n, count, start, order);
-  SumGroupsAnyWidth(r, count, start, order, src_row, nullptr, rows, on_row);
+  if (t == nullptr || threads <= 1) {
+    SumGroupsAnyWidth(r, 0, count, start, order, src_row, nullptr, rows, on_row);
+    return count;
+  }
+  const int64_t units = UnitsFor(threads, count);
+  ParallelFor(*t, threads, units, [&](int64_t u) {
+    SumGroupsAnyWidth(r, UnitBegin(u, units, count), UnitBegin(u + 1, units, count),
+                      start, order, src_row, nullptr, rows, on_row);
+  });
   return count;
 }
 
 // ----------------------------------------------------- on several threads
 //
-// The threaded versions compute what the one-thread loops above compute,
-// bit for bit: each table row is owned by one partition (PartOf), a
-// partition visits its slots in slot order, so every row's sums and rule
-// run as in one thread, and whatever is ordered across rows (the distinct
-// ids' order of first appearance, the sum of squares) is put in order
-// afterwards on the calling thread. The partitions depend on the thread
-// count, the results do not.
+// The threaded versions compute what the one-thread loops compute, bit for
+// bit. Coalesce hashes on the calling thread, then splits the distinct ids
+// in ranges (each id's slots summed by one thread, in slot order). SGD's
+// update buckets its slots by the partition (PartOf) that owns their row, so
+// that each row's additions run in slot order on one thread. The units
+// depend on the thread count, the results do not.
 
 // The slots of a recipe bucketed by the partition owning their row: the
 // slots of partition p are by_part[begin(p) .. end[p]), in slot order;
@@ -451,8 +474,7 @@ struct Buckets {
   int64_t begin(int64_t p) const { return p == 0 ? 0 : end[p - 1]; }
 };
 
-// `extra` further int32 arrays of n entries each follow the buckets' own in
-// `scratch` (at scratch + Buckets::Size(n, parts)).
+// The int32 entries of scratch Bucket uses.
 inline int64_t BucketsSize(int64_t n, int64_t parts) { return 3 * n + parts + 1; }
 
 template <typename Id>
@@ -471,75 +493,6 @@ Buckets Bucket(const Recipe<Id>& r, int64_t num_rows, int64_t parts,
   GroupSlots(b.part, nullptr, n, parts, b.end, b.by_part);
   return b;
 }
-
-// Coalesce (not coalesced) on `threads` threads: the same count, uids, rows
-// and on_row(j) calls (each j once, from any thread, rows[j] complete);
-// ahead(j) announces a row that on_row will be called for soon.
-template <typename Id, typename OnRow, typename Ahead>
-int64_t CoalesceParallel(const Recipe<Id>& r, int64_t num_rows,
-                         int64_t capacity, float* rows, Id* uids,
-                         int64_t* total, const Threads& t, int64_t threads,
-                         OnRow&& on_row, Ahead&& ahead) {
-  const int64_t n = r.num_slots;
-  const int64_t parts = UnitsFor(threads, n);
-  std::vector<int32_t>& scratch = ThreadScratch<int32_t, kParts>();
-  const int64_t need = BucketsSize(n, parts) + 6 * n + 2 * parts + 1;
-  if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
-  Buckets b = Bucket(r, num_rows, parts, scratch.data());
-  int32_t* slot_j = scratch.data() + BucketsSize(n, parts);  // local j of a slot
-  int32_t* first = slot_j + n;      // partition's j -> its first slot
-  int32_t* dest = first + n;        // partition's j -> the output row
-  int32_t* order = dest + n;        // a partition's slots grouped by j
-  int32_t* first_at = order + n;    // slot -> its index into first/dest (-1)
-  int32_t* counts = first_at + n;   // distinct ids per partition
-  int32_t* start = counts + parts;  // group ends: partition p at begin + p
-  ParallelFor(t, threads, parts, [&](int64_t p) {
-    const int64_t lo = b.begin(p), hi = b.end[p];
-    IdMap& map = ThreadIdMap();
-    map.Reset(hi - lo);
-    int64_t count = 0;
-    constexpr int64_t kAhead = 16;
-    for (int64_t q = lo; q < hi; ++q) {
-      if (q + kAhead < hi) map.Prefetch(static_cast<int64_t>(r.ids[b.by_part[q + kAhead]]));
-      int32_t s = b.by_part[q];
-      bool inserted;
-      int64_t j = map.FindOrInsert(static_cast<int64_t>(r.ids[s]), count, &inserted);
-      if (inserted) first[lo + count++] = s;
-      slot_j[s] = static_cast<int32_t>(j);
-    }
-    counts[p] = static_cast<int32_t>(count);
-    GroupSlots(slot_j, b.by_part + lo, hi - lo, count, start + lo + p, order + lo);
-  });
-  // The order of first appearance, as one thread finds it.
-  std::fill(first_at, first_at + n, -1);
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t lo = b.begin(p);
-    for (int64_t j = 0; j < counts[p]; ++j) first_at[first[lo + j]] = static_cast<int32_t>(lo + j);
-  }
-  int64_t count = 0;
-  for (int64_t s = 0; s < n; ++s) {
-    if (first_at[s] < 0) continue;
-    dest[first_at[s]] = static_cast<int32_t>(count);
-    if (count < capacity) uids[count] = r.ids[s];
-    ++count;
-  }
-  *total = count;
-  if (count > capacity) return -1;
-  ParallelFor(t, threads, parts, [&](int64_t p) {
-    const int64_t lo = b.begin(p), c = counts[p];
-    const int32_t* to = dest + lo;
-    SumGroupsAnyWidth(r, c, start + lo + p, order + lo, b.src_row, to, rows,
-                      [&](int64_t j) {
-                        if (j + kPrefetch < c) ahead(to[j + kPrefetch]);
-                        on_row(to[j]);
-                      });
-  });
-  return count;
-}
-
-
-// Slots [lo, hi) of `n` in the unit u of `units` (contiguous ranges).
-inline int64_t UnitBegin(int64_t u, int64_t units, int64_t n) { return u * n / units; }
 
 // Coalesce of distinct ids (coalesced) on `threads` threads: ranges of
 // slots, each starting at the output row its first valid slot takes.

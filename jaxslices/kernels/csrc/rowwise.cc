@@ -248,8 +248,8 @@ static void Rowwise(const Recipe<IdT>& r, Rule rule, const Ctx& c,
   } else if (coalesced) {
     count = Coalesce(r, num_rows, true, capacity, rows, uids, &total, rule_of);
   } else if (threads > 1) {
-    count = CoalesceParallel(r, num_rows, capacity, rows, uids, &total, t,
-                             threads, rule_of, ahead);
+    count = Coalesce(r, num_rows, false, capacity, rows, uids, &total,
+                     on_row_prefetching, &t, threads);
   } else {
     count = Coalesce(r, num_rows, false, capacity, rows, uids, &total,
                      on_row_prefetching);
