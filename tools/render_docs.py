@@ -86,17 +86,17 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear_b512.json",
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear.json",
     ),
-    "kernels-peers": ("2026-11-cpu-native/peers_bench_cpu.json",),
-    "readme-kernels": ("2026-11-cpu-native/peers_bench_cpu.json",),
+    "kernels-peers": ("2026-11-cpu-threads/peers_bench_cpu.json",),
+    "readme-kernels": ("2026-11-cpu-threads/peers_bench_cpu.json",),
     "kernels-floor": (
         "2026-11-cpu-native/optimizer_floor_bench_cpu_bag.json",
         "2026-11-h100-host-cpu/optimizer_floor_bench_cpu_bag_xeon16.json",
     ),
     "kernels-dlrm": (
-        "2026-11-cpu-native/dlrm_bench_cpu.json",
-        "2026-11-cpu-native/dlrm_bench_cpu_xla.json",
+        "2026-11-cpu-threads/dlrm_bench_cpu.json",
+        "2026-11-cpu-threads/dlrm_bench_cpu_xla.json",
     ),
-    "kernels-soak": ("2026-11-cpu-native/soak_bench_cpu.json",),
+    "kernels-soak": ("2026-11-cpu-threads/soak_bench_cpu.json",),
     "kernels-threads": (
         "2026-11-cpu-threads/peers_bench_cpu.json",
         "2026-11-cpu-threads/threads_bench_cpu.json",
