@@ -180,7 +180,10 @@ def on_both_paths(step, params, state, *args, steps=3):
 
     out = []
     for scope in (contextlib.nullcontext, kernels.disabled):
-        jitted = jax.jit(lambda p, s, *a: step(p, s, *a))
+        # jit of the step itself: called again with the same step (and the
+        # same shapes), its trace and executable are reused (the path switch
+        # is part of jit's cache keys).
+        jitted = jax.jit(step)
         p, s = params, state
         with scope():
             for _ in range(steps):

@@ -21,6 +21,7 @@ fails at save time with an error naming ``IndexedSlices``.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import pickle
@@ -110,6 +111,7 @@ def loss_fn(params, ids, y):
     return jnp.mean((jnp.tanh(h) @ params["w"] - y) ** 2)
 
 
+@functools.cache  # one compiled step per transformation (tests reuse it)
 def make_step(tx):
     @jax.jit
     def step(params, state, ids, y):
@@ -147,6 +149,7 @@ def assert_bitwise_equal(a, b):
     assert la == lb
 
 
+@functools.cache  # the same run for every format's test (arrays are immutable)
 def trained_state(name, steps=4):
     tx = OPTIMIZERS[name]()
     params = make_params()

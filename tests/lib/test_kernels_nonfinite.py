@@ -63,14 +63,25 @@ def _loss(p, ids, weights, c):
     return jnp.sum(h * c) + jnp.sum(p["w"] ** 2)
 
 
+_STEPS: dict = {}
+
+
 def _step(tx, grad=None):
-    """A training step of ``_loss`` (or of the fixed gradient ``grad``)."""
+    """A training step of ``_loss`` (or of the fixed gradient ``grad``).
+
+    One function per transformation for ``_loss``, so that its cases (same
+    shapes) reuse one compiled step per path.
+    """
+    if grad is None and id(tx) in _STEPS:
+        return _STEPS[id(tx)]
 
     def step(p, s, *data):
         g = js.grad(_loss)(p, *data) if grad is None else grad
         u, s = tx.update(g, s, p)
         return js.apply_updates(p, u), s
 
+    if grad is None:
+        _STEPS[id(tx)] = step
     return step
 
 

@@ -77,6 +77,19 @@ def _assert_bitwise(a, b, what):
         assert x.tobytes() == y.tobytes(), f"{what}: not bitwise equal"
 
 
+def _on_each_thread_count(fn, *args):
+    """``jax.jit(fn)(*args)`` with 1, 2 and 4 forced threads."""
+    out = []
+    for t in THREADS:
+        with js.kernels.threads(t, min_slots=0):
+            out.append(jax.jit(fn)(*args))
+    return out
+
+
+def _assert_all_bitwise(runs, what):
+    _assert_all_bitwise(runs, f"{what}")
+
+
 def _train(tx_fn, loss, params, batches, threads):
     tx = tx_fn()
 
@@ -114,8 +127,7 @@ def _bag_setup(rng, num_rows=300, dim=8, bags=64, length=8, steps=2):
 def test_every_optimizer_is_bitwise_the_same_on_1_2_and_4_threads(name):
     params, batches, loss = _bag_setup(np.random.default_rng(0))
     runs = [_train(OPTIMIZERS[name], loss, params, batches, t) for t in THREADS]
-    for t, run in zip(THREADS[1:], runs[1:], strict=True):
-        _assert_bitwise(runs[0], run, f"{name}: 1 thread vs {t}")
+    _assert_all_bitwise(runs, f"{name}")
     # ... and right: the XLA path, to float rounding.
     with js.kernels.disabled():
         xla = _train(OPTIMIZERS[name], loss, params, batches, 1)
@@ -151,8 +163,7 @@ def test_every_bag_form_and_its_gradient_is_bitwise_the_same(form):
             return h, jax.jit(js.apply_updates)(table, u)
 
     runs = [run(t) for t in THREADS]
-    for t, r in zip(THREADS[1:], runs[1:], strict=True):
-        _assert_bitwise(runs[0], r, f"{form}: 1 thread vs {t}")
+    _assert_all_bitwise(runs, f"{form}")
 
 
 @pytest.mark.parametrize("order", ["sorted", "unsorted"])
@@ -167,24 +178,15 @@ def test_bags_given_per_slot_sorted_or_not(order):
         bag = rng.permutation(bag)
     weight = jnp.asarray(rng.normal(size=n), jnp.float32)
 
-    def run(t):
-        with js.kernels.threads(t, min_slots=0):
-            return jax.jit(
-                lambda tab: _ops.bag_forward(
-                    tab,
-                    ids,
-                    weight=weight,
-                    scale=None,
-                    num_bags=bags,
-                    bag=jnp.asarray(bag),
-                )  # fmt: skip
-            )(table)
+    def forward(tab):
+        return _ops.bag_forward(
+            tab, ids, weight=weight, scale=None, num_bags=bags, bag=jnp.asarray(bag)
+        )
 
-    runs = [run(t) for t in THREADS]
-    for t, r in zip(THREADS[1:], runs[1:], strict=True):
-        _assert_bitwise(runs[0], r, f"{order} bags: 1 thread vs {t}")
+    runs = _on_each_thread_count(forward, table)
+    _assert_all_bitwise(runs, f"{order} bags")
     with js.kernels.disabled():
-        xla = run(1)
+        xla = jax.jit(forward)(table)
     np.testing.assert_allclose(runs[0], xla, rtol=2e-5, atol=2e-6)
 
 
@@ -197,28 +199,18 @@ def test_rowwise_op_outputs_are_bitwise_the_same():
     state = jnp.asarray(rng.uniform(size=(num_rows, dim)), jnp.float32)
     recipe = Recipe(src, None, length, None, jnp.float32(0.5))
 
-    def run(t):
-        with js.kernels.threads(t, min_slots=0):
-            return jax.jit(
-                lambda st: _ops.rowwise(
-                    recipe,
-                    ids,
-                    num_rows=num_rows,
-                    spec=_transform._RSS_SPEC,
-                    hp=(1e-7,),
-                    state=st,
-                    capacity=ids.size,
-                    want_sumsq=True,
-                )  # fmt: skip
-            )(state)
+    def rowwise(st):
+        return _ops.rowwise(
+            recipe, ids, num_rows=num_rows, spec=_transform._RSS_SPEC, hp=(1e-7,),
+            state=st, capacity=ids.size, want_sumsq=True,
+        )  # fmt: skip
 
     def defined(out):  # rows past the count are unspecified
         new_state, uids, rows, count, sumsq = out
         return new_state, uids, rows[: int(count)], count, sumsq
 
-    runs = [defined(run(t)) for t in THREADS]
-    for t, r in zip(THREADS[1:], runs[1:], strict=True):
-        _assert_bitwise(runs[0], r, f"rowwise: 1 thread vs {t}")
+    runs = [defined(out) for out in _on_each_thread_count(rowwise, state)]
+    _assert_all_bitwise(runs, "rowwise")
     new_state, uids, rows, count, sumsq = runs[0]
     flat = np.asarray(ids)
     valid = flat[(flat >= 0) & (flat < num_rows)]
@@ -259,8 +251,7 @@ def test_a_collection_step_is_bitwise_the_same():
     for t in THREADS:
         with js.kernels.threads(t, min_slots=0):
             runs.append(step(params, tx.init(params), kjt))
-    for t, r in zip(THREADS[1:], runs[1:], strict=True):
-        _assert_bitwise(runs[0], r, f"collection: 1 thread vs {t}")
+    _assert_all_bitwise(runs, "collection")
 
 
 def test_per_device_kernels_inside_shard_map_are_bitwise_the_same():
@@ -289,8 +280,7 @@ def test_per_device_kernels_inside_shard_map_are_bitwise_the_same():
         with js.kernels.threads(t, min_slots=0):
             runs.append(step(params, tx.init(params), *batches[0]))
             assert js.kernels.explain(step, params, tx.init(params), *batches[0]).native
-    for t, r in zip(THREADS[1:], runs[1:], strict=True):
-        _assert_bitwise(runs[0], r, f"shard_map: 1 thread vs {t}")
+    _assert_all_bitwise(runs, "shard_map")
 
 
 def test_threshold_and_setting_reach_the_kernels():

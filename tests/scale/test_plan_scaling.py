@@ -104,8 +104,17 @@ def _growth(kind, routing, optimizer):
     return rows, moved, figs
 
 
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "row_wise (1 table)"])
+# Each kind with one optimizer, every optimizer once (the full grid, every
+# kind with every optimizer: benchmarks/plan_scale_bench.py; a CI leg has
+# minutes, not the quarter hour the grid takes here).
+@pytest.mark.parametrize(
+    "kind, optimizer",
+    [
+        ("table_wise", "lazy_adam"),
+        ("row_wise", "clip_sgd"),
+        ("row_wise (1 table)", "rowwise_adagrad"),
+    ],
+)
 def test_row_and_table_wise_all_to_all_follow_the_local_batch(kind, optimizer):
     rows, moved, figs = _growth(kind, "all_to_all", optimizer)
     assert rows <= GOAL and moved <= GOAL, (rows, moved, figs)
@@ -122,7 +131,7 @@ def test_masked_routing_grows_with_the_global_batch(kind):
     assert rows >= 3.5 and moved >= 3.5, (rows, moved, figs)
 
 
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("optimizer", ["clip_sgd"])  # the others: the bench
 def test_the_other_kinds_grow_as_their_kind_must(optimizer):
     """Data parallel: every device's gradient rows reach every device. Column
     wise (all-to-all): an id reads a piece on every device, so its rows grow
