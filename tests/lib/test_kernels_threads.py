@@ -87,7 +87,8 @@ def _on_each_thread_count(fn, *args):
 
 
 def _assert_all_bitwise(runs, what):
-    _assert_all_bitwise(runs, f"{what}")
+    for t, r in zip(THREADS[1:], runs[1:], strict=True):
+        _assert_bitwise(runs[0], r, f"{what}: 1 thread vs {t}")
 
 
 def _train(tx_fn, loss, params, batches, threads):

@@ -365,6 +365,53 @@ inline void GroupSlots(const int32_t* key, const int32_t* slots, int64_t n,
   }
 }
 
+// The coalesced case of Coalesce (the valid ids are distinct: one row per
+// valid slot, in slot order), its slots split in ranges between threads,
+// each range starting at the output row its first valid slot takes.
+template <typename Id, typename OnRow>
+int64_t CoalesceDistinct(const Recipe<Id>& r, int64_t num_rows,
+                         int64_t capacity, float* rows, Id* uids,
+                         int64_t* total, OnRow&& on_row, const Threads* t,
+                         int64_t threads) {
+  const int64_t n = r.num_slots;
+  if (t == nullptr) threads = 1;
+  const int64_t units = UnitsFor(threads, n);
+  std::vector<int32_t>& first_row = ThreadScratch<int32_t, kParts>();
+  if (static_cast<int64_t>(first_row.size()) < units + 1) first_row.resize(units + 1);
+  int64_t count = 0;
+  for (int64_t u = 0; u < units; ++u) {
+    first_row[u] = static_cast<int32_t>(count);
+    for (int64_t s = UnitBegin(u, units, n); s < UnitBegin(u + 1, units, n); ++s) {
+      Id id = r.ids[s];
+      count += (id >= 0 && id < num_rows);
+    }
+  }
+  *total = count;
+  if (count > capacity) return -1;
+  auto copy = [&](int64_t u) {
+    const int64_t lo = UnitBegin(u, units, n), hi = UnitBegin(u + 1, units, n);
+    auto rows_of = r.cursor_at(lo);
+    int64_t j = first_row[u];
+    for (int64_t s = lo; s < hi; ++s) {
+      const float* x = rows_of.next();
+      Id id = r.ids[s];
+      if (id < 0 || id >= num_rows) continue;
+      uids[j] = id;
+      float* acc = rows + j * r.row;
+      if (x) Axpy(acc, x, r.factor(s), r.row, true);
+      else std::memset(acc, 0, sizeof(float) * r.row);
+      on_row(j);
+      ++j;
+    }
+  };
+  if (threads <= 1) {
+    copy(0);
+  } else {
+    ParallelFor(*t, threads, units, copy);
+  }
+  return count;
+}
+
 // Sum the recipe's rows per distinct valid id, in order of first appearance:
 // rows[j] (R floats each) and uids[j] for j < count, calling on_row(j) as
 // soon as row j is complete (the caller applies its rule while the row is in
@@ -383,26 +430,9 @@ int64_t Coalesce(const Recipe<Id>& r, int64_t num_rows, bool coalesced,
   const int64_t n = r.num_slots;
   int64_t count = 0;
   auto rows_of = r.cursor();
-  if (coalesced) {  // the valid ids are distinct: one row per valid slot
-    for (int64_t s = 0; s < n; ++s) {
-      Id id = r.ids[s];
-      count += (id >= 0 && id < num_rows);
-    }
-    *total = count;
-    if (count > capacity) return -1;
-    int64_t j = 0;
-    for (int64_t s = 0; s < n; ++s) {
-      const float* x = rows_of.next();
-      Id id = r.ids[s];
-      if (id < 0 || id >= num_rows) continue;
-      uids[j] = id;
-      float* acc = rows + j * r.row;
-      if (x) Axpy(acc, x, r.factor(s), r.row, true);
-      else std::memset(acc, 0, sizeof(float) * r.row);
-      on_row(j);
-      ++j;
-    }
-    return count;
+  if (coalesced) {
+    return CoalesceDistinct(r, num_rows, capacity, rows, uids, total, on_row, t,
+                            threads);
   }
   // Three passes over the slots' integers, then one over the rows: each
   // distinct id's slots are summed together and its row written once
@@ -492,45 +522,6 @@ Buckets Bucket(const Recipe<Id>& r, int64_t num_rows, int64_t parts,
   }
   GroupSlots(b.part, nullptr, n, parts, b.end, b.by_part);
   return b;
-}
-
-// Coalesce of distinct ids (coalesced) on `threads` threads: ranges of
-// slots, each starting at the output row its first valid slot takes.
-template <typename Id, typename OnRow>
-int64_t CoalescedParallel(const Recipe<Id>& r, int64_t num_rows,
-                          int64_t capacity, float* rows, Id* uids,
-                          int64_t* total, const Threads& t, int64_t threads,
-                          OnRow&& on_row) {
-  const int64_t n = r.num_slots, units = UnitsFor(threads, n);
-  std::vector<int32_t>& first_row = ThreadScratch<int32_t, kParts>();
-  if (static_cast<int64_t>(first_row.size()) < units + 1) first_row.resize(units + 1);
-  int64_t count = 0;
-  for (int64_t u = 0; u < units; ++u) {
-    first_row[u] = static_cast<int32_t>(count);
-    for (int64_t s = UnitBegin(u, units, n); s < UnitBegin(u + 1, units, n); ++s) {
-      Id id = r.ids[s];
-      count += (id >= 0 && id < num_rows);
-    }
-  }
-  *total = count;
-  if (count > capacity) return -1;
-  ParallelFor(t, threads, units, [&](int64_t u) {
-    const int64_t lo = UnitBegin(u, units, n), hi = UnitBegin(u + 1, units, n);
-    auto rows_of = r.cursor_at(lo);
-    int64_t j = first_row[u];
-    for (int64_t s = lo; s < hi; ++s) {
-      const float* x = rows_of.next();
-      Id id = r.ids[s];
-      if (id < 0 || id >= num_rows) continue;
-      uids[j] = id;
-      float* acc = rows + j * r.row;
-      if (x) Axpy(acc, x, r.factor(s), r.row, true);
-      else std::memset(acc, 0, sizeof(float) * r.row);
-      on_row(j);
-      ++j;
-    }
-  });
-  return count;
 }
 
 }  // namespace jaxslices

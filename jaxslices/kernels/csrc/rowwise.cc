@@ -242,11 +242,9 @@ static void Rowwise(const Recipe<IdT>& r, Rule rule, const Ctx& c,
     rule_of(j);
   };
   int64_t count;
-  if (coalesced && threads > 1) {
-    count = CoalescedParallel(r, num_rows, capacity, rows, uids, &total, t,
-                              threads, rule_of);
-  } else if (coalesced) {
-    count = Coalesce(r, num_rows, true, capacity, rows, uids, &total, rule_of);
+  if (coalesced) {
+    count = Coalesce(r, num_rows, true, capacity, rows, uids, &total, rule_of,
+                     &t, threads);
   } else if (threads > 1) {
     count = Coalesce(r, num_rows, false, capacity, rows, uids, &total,
                      on_row_prefetching, &t, threads);
