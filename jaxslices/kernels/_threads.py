@@ -125,4 +125,5 @@ def describe() -> str:
         what = f"up to {default} per kernel call (XLA's CPU pool, one per CPU)"
     else:
         what = "none (the kernels are unavailable)"
-    return f"{what}, one below {min_slots} ids"
+    below = f"one below {min_slots} ids" if min_slots else "every batch split"
+    return f"{what}, {below}"
