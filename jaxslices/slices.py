@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _coalesce, _errors, _ids, _recipe, _spmd, _typed_indices
+from . import _coalesce, _errors, _ids, _recipe, _rounding, _spmd, _typed_indices
 from ._recipe import Recipe
 from .kernels import _ops as kernel_ops
 from .kernels import _path as kernel_path
@@ -1031,6 +1031,29 @@ def _scatter_add(x: Any, s: IndexedSlices, where: str) -> jax.Array:
         )
     values = s.values.astype(x.dtype)
     return x.at[safe_indices(s)].add(values, mode="drop", **flags)
+
+
+def _scatter_rounded(
+    x: Any, s: IndexedSlices, where: str, *, stochastic: bool, seed: Any
+) -> jax.Array:
+    """Add ``s`` to a bfloat16/float16 ``x`` in float32, one rounding per row.
+
+    Duplicates are summed in float32 first, each touched row is read,
+    ``row + sum`` computed in float32 and written back rounded (to nearest,
+    or stochastically: :mod:`jaxslices._rounding`), so a row is rounded once
+    per step whatever its number of duplicates.
+    """
+    x, s = _check_target(x, s, where)
+    if s.num_slices == 0:
+        return x
+    c = coalesce_bounded(s, "auto", None, where)
+    flags = {"unique_indices": True, "indices_are_sorted": c.indices_sorted}
+    idx = safe_indices(c)
+    old = x.at[idx].get(mode="fill", fill_value=0, **flags)
+    total = old.astype(jnp.float32) + c.values.astype(jnp.float32)
+    flat = _recipe.flat_rows(total) if total.ndim > 1 else total[:, None]
+    new = _rounding.round_rows(flat, x.dtype, idx, stochastic=stochastic, seed=seed)
+    return x.at[idx].set(new.reshape(old.shape), mode="drop", **flags)
 
 
 def scatter_sub(x: jax.Array, s: IndexedSlices) -> jax.Array:

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _leaves, slices
+from . import _leaves, _rounding, slices
 from .slices import IndexedSlices, check_slices
 
 __all__ = ["apply_updates"]
@@ -21,7 +21,9 @@ __all__ = ["apply_updates"]
 _WHERE = "jaxslices.apply_updates"
 
 
-def _apply_leaf(path: Any, p: Any, u: Any) -> Any:
+def _apply_leaf(
+    path: Any, p: Any, u: Any, stochastic: bool | None = None, seed: Any = None
+) -> Any:
     where = _leaves.label(_WHERE, path)
     if p is None:
         return None
@@ -41,12 +43,29 @@ def _apply_leaf(path: Any, p: Any, u: Any) -> Any:
             "slices: dense_shape == param.shape); were the updates computed for "
             "these params?"
         )
+    low = _rounding.is_low_precision(p.dtype)
     if isinstance(u, IndexedSlices):
+        if low:
+            sr = True if stochastic is None else stochastic
+            return slices._scatter_rounded(p, u, where, stochastic=sr, seed=seed)
         return slices._scatter_add(p, u, where)  # lays the rows out on a mesh first
+    if low and stochastic:  # dense leaves round stochastically when asked
+        total = (p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)).reshape(
+            (p.shape[0] if p.ndim else 1, -1)
+        )
+        rows = jnp.arange(total.shape[0], dtype=jnp.int32)
+        new = _rounding.round_rows(total, p.dtype, rows, stochastic=True, seed=seed)
+        return new.reshape(p.shape)
     return (p + u).astype(p.dtype)
 
 
-def apply_updates(params: Any, updates: Any) -> Any:
+def apply_updates(
+    params: Any,
+    updates: Any,
+    *,
+    stochastic_rounding: bool | None = None,
+    key: Any = None,
+) -> Any:
     """Add ``updates`` to ``params``, leaf by leaf; sparse leaves by scatter-add.
 
     For an :class:`~jaxslices.IndexedSlices` update this is
@@ -58,6 +77,20 @@ def apply_updates(params: Any, updates: Any) -> Any:
     u).astype(p.dtype)``. A ``None`` parameter stays ``None``; a ``None``
     update leaves its parameter unchanged.
 
+    **Low-precision tables** (``bfloat16``, ``float16``): a sparse update is
+    summed per row in float32 (duplicates first), added to the row in
+    float32 and written back with one rounding per row and step;
+    stochastically by default (as FBGEMM), so that an update smaller than
+    half an ulp of the weight survives on average (docs/optax.md,
+    "Low-precision tables"). ``stochastic_rounding=False`` rounds to
+    nearest. Dense low-precision leaves round to nearest, as Optax, unless
+    ``stochastic_rounding=True``. The rounding noise is a hash of ``key``,
+    the row, the column and the float32 value (:mod:`jaxslices._rounding`),
+    the same on the XLA path and the native kernels: deterministic, and
+    different whenever the value differs; pass ``key`` (the step, or a
+    ``jax.random`` key) to make two steps' draws independent when the values
+    can repeat exactly.
+
     :func:`optax.apply_updates` also works with slices updates (it computes
     ``p + u``, which ``IndexedSlices`` turns into a scatter-add); this function
     adds the integer-indices guard and error messages that name the leaf.
@@ -67,6 +100,12 @@ def apply_updates(params: Any, updates: Any) -> Any:
       updates: a tree of the same structure whose leaves are arrays of the
         parameter's shape, ``IndexedSlices`` whose ``dense_shape`` is the
         parameter's shape, or ``None``.
+      stochastic_rounding: how results are rounded into bfloat16/float16
+        params: ``None`` (default) stochastically for sparse updates and to
+        nearest for dense ones; ``True`` stochastically for both; ``False``
+        to nearest. Float32 and wider params are unaffected.
+      key: the seed of stochastic rounding: ``None`` (0), an integer such
+        as the step, or a ``jax.random`` key.
 
     Returns:
       The updated params, each leaf in its original dtype.
@@ -89,6 +128,15 @@ def apply_updates(params: Any, updates: Any) -> Any:
              [0., 0.]], dtype=float32)
     """
     _leaves.check_structure(_WHERE, params, "params", updates, "updates")
+    if stochastic_rounding not in (None, True, False):
+        raise TypeError(
+            f"{_WHERE}: `stochastic_rounding` must be None, True or False; got "
+            f"{stochastic_rounding!r}."
+        )
+    seed = _rounding.seed_from(key)
     return jax.tree_util.tree_map_with_path(
-        _apply_leaf, params, updates, is_leaf=_leaves.is_leaf
+        lambda path, p, u: _apply_leaf(path, p, u, stochastic_rounding, seed),
+        params,
+        updates,
+        is_leaf=_leaves.is_leaf,
     )

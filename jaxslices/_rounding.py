@@ -1,0 +1,165 @@
+"""Rounding float32 results into bfloat16 and float16 arrays: to nearest or stochastically.
+
+A low-precision table (``bfloat16``, ``float16``) is updated in float32 (the
+row plus the sum of its updates) and written back rounded. Round to nearest
+loses an update smaller than half a unit in the last place (ulp) of the
+weight; **stochastic rounding** rounds ``x`` up to the next representable
+value ``hi`` with probability ``(x - lo) / (hi - lo)`` and down to ``lo``
+otherwise, so the expected result is ``x`` and small updates survive on
+average (FBGEMM writes fp16 and bf16 tables this way by default).
+
+The randomness is a hash, not a PRNG stream, so that the XLA path and the
+native kernels (``kernels/csrc/common.h``, ``RoundStochastic``) draw the same
+bits without sharing state: for the entry in row ``r``, column ``c`` (the
+flat position within the row) whose float32 value has bit pattern ``b``,
+the 32 bits are ``mix(mix(mix(mix(seed) ^ r_lo ^ mix(r_hi)) ^ c) ^ b)``,
+``mix`` being the 32-bit finaliser of MurmurHash3 (Austin Appleby, public
+domain: xor-shift 16, multiply ``0x85EBCA6B``, xor-shift 13, multiply
+``0xC2B2AE35``, xor-shift 16). The value's own bits are in the hash so that a
+row that receives a different update draws a different number, without a
+step counter; ``seed`` (:func:`jaxslices.apply_updates`'s ``key``) makes
+the draws of two steps independent even when the values repeat.
+
+How each format rounds:
+
+* ``bfloat16`` is the top half of a float32, so the 16 low bits of ``x``
+  are exactly the fraction of an ulp: the result is the top half of ``|x| +
+  (h & 0xFFFF)`` (integer addition), which rounds up with probability
+  ``low16 / 2**16``, exactly ``(x - lo) / (hi - lo)``.
+* ``float16`` (other exponent range): ``lo`` is ``x`` rounded toward zero,
+  ``hi`` the next value away from zero, and the result is ``hi`` when ``u *
+  (hi - lo) < |x| - |lo|`` with ``u = (h >> 8) / 2**24``: every term is
+  exact in float32 (``hi - lo`` is a power of two, ``|x| - |lo|`` by
+  Sterbenz's lemma), so both paths compare the same numbers.
+
+Finite values never round to infinity (a value beyond the largest finite
+one rounds down to it); infinities stay infinities and NaN stays NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "LOW_PRECISION",
+    "is_low_precision",
+    "mix32",
+    "noise",
+    "round_rows",
+    "seed_from",
+]
+
+LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def is_low_precision(dtype: Any) -> bool:
+    """Whether ``dtype`` is one the update path rounds into (bfloat16, float16)."""
+    try:
+        return jnp.dtype(dtype) in LOW_PRECISION
+    except TypeError:
+        return False
+
+
+def _u32(x: Any) -> jax.Array:
+    return jnp.asarray(x).astype(jnp.uint32)
+
+
+def mix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser (public domain), on ``uint32`` arrays."""
+    h = h ^ (h >> 16)
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def seed_from(key: Any) -> jax.Array:
+    """``key`` as the ``uint32`` seed of the noise: ``None`` (0), an integer
+    (a step, say), or a ``jax.random`` key (its data folded to 32 bits)."""
+    if key is None:
+        return jnp.zeros((), jnp.uint32)
+    key = jnp.asarray(key) if not hasattr(key, "dtype") else key
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    if not jnp.issubdtype(key.dtype, jnp.integer):
+        raise TypeError(
+            "jaxslices.apply_updates: `key` must be an integer (a step counter, "
+            "say) or a jax.random key, the seed of stochastic rounding; got "
+            f"an array of dtype {key.dtype}."
+        )
+    words = jnp.ravel(key)
+    if words.dtype.itemsize == 8:
+        words = jnp.concatenate([_u32(words), _u32(words >> 32)])
+    h = jnp.zeros((), jnp.uint32)
+    for i in range(words.shape[0]):  # a key has 2 words, a step 1
+        h = mix32(h ^ _u32(words[i]))
+    return h
+
+
+def noise(seed: jax.Array, rows: jax.Array, row_size: int, x: jax.Array) -> jax.Array:
+    """The 32 random bits of each entry of ``x`` (``[N, R]`` float32, row ``rows[n]``)."""
+    r = jnp.asarray(rows)
+    r_lo = _u32(r)
+    r_hi = _u32(r >> 32) if r.dtype.itemsize == 8 else jnp.zeros_like(r_lo)
+    h = mix32(mix32(_u32(seed)) ^ r_lo ^ mix32(r_hi))[:, None]
+    cols = jnp.arange(row_size, dtype=jnp.uint32)[None, :]
+    h = mix32(h ^ cols)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return mix32(h ^ bits)
+
+
+def _round_bf16(x: jax.Array, h: jax.Array) -> jax.Array:
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    sign = bits & np.uint32(0x80000000)
+    mag = bits & np.uint32(0x7FFFFFFF)
+    up = (mag + (h & np.uint32(0xFFFF))) >> 16
+    # A finite value never rounds to infinity: the largest finite bf16 instead.
+    up = jnp.minimum(up, np.uint32(0x7F7F))
+    out = ((sign >> 16) | up).astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(out, jnp.bfloat16)
+
+
+def _round_f16(x: jax.Array, h: jax.Array) -> jax.Array:
+    nearest = x.astype(jnp.float16)
+    nb = jax.lax.bitcast_convert_type(nearest, jnp.uint16)
+    sign = nb & np.uint16(0x8000)
+    mag = nb & np.uint16(0x7FFF)
+    away = jnp.abs(nearest.astype(jnp.float32)) > jnp.abs(x)
+    lo_mag = jnp.where(away, mag - np.uint16(1), mag)  # toward zero; 0 stays 0
+    lo_mag = jnp.where(away & (mag == 0), mag, lo_mag)
+    hi_mag = lo_mag + np.uint16(1)
+    lo = jax.lax.bitcast_convert_type(lo_mag, jnp.float16).astype(jnp.float32)
+    hi = jax.lax.bitcast_convert_type(hi_mag, jnp.float16).astype(jnp.float32)
+    u = (h >> 8).astype(jnp.float32) * np.float32(2.0**-24)
+    take_hi = (u * (hi - lo) < jnp.abs(x) - lo) & (hi_mag < np.uint16(0x7C00))
+    out = sign | jnp.where(take_hi, hi_mag, lo_mag)
+    return jax.lax.bitcast_convert_type(out, jnp.float16)
+
+
+def round_rows(
+    x: jax.Array,
+    dtype: Any,
+    rows: jax.Array,
+    *,
+    stochastic: bool,
+    seed: jax.Array | None = None,
+) -> jax.Array:
+    """``x`` (``[N, R]``, computed in float32) rounded into ``dtype``.
+
+    ``rows[n]`` is the table row of ``x[n]`` (it picks the noise). Round to
+    nearest unless ``stochastic`` and ``dtype`` is bfloat16 or float16; a
+    wider ``dtype`` is a plain cast.
+    """
+    dtype = jnp.dtype(dtype)
+    if not stochastic or dtype not in LOW_PRECISION:
+        return x.astype(dtype)
+    x = x.astype(jnp.float32)
+    seed = jnp.zeros((), jnp.uint32) if seed is None else seed
+    h = noise(seed, rows, x.shape[1], x)
+    out = _round_bf16(x, h) if dtype == jnp.bfloat16 else _round_f16(x, h)
+    special = ~jnp.isfinite(x)
+    return jnp.where(special, x.astype(dtype), out)
