@@ -47,11 +47,11 @@ def feature_names(num: int) -> list[str]:
     return [f"C{f + 1}" for f in range(num)]
 
 
-def make_collection(sizes, dim: int) -> js.EmbeddingCollection:
+def make_collection(sizes, dim: int, dtype=jnp.float32) -> js.EmbeddingCollection:
     """One table per Criteo feature, sum pooling (TorchRec's default)."""
     return js.EmbeddingCollection(
         [
-            js.TableConfig(f"t_{name}", rows=v, dim=dim, features=(name,))
+            js.TableConfig(f"t_{name}", rows=v, dim=dim, features=(name,), dtype=dtype)
             for name, v in zip(feature_names(len(sizes)), sizes, strict=True)
         ]
     )
@@ -59,7 +59,10 @@ def make_collection(sizes, dim: int) -> js.EmbeddingCollection:
 
 def init_params(coll: js.EmbeddingCollection, init: dict) -> dict:
     """JAX params from :func:`criteo_synth.init_dlrm`'s NumPy values."""
-    tables = {t.name: x for t, x in zip(coll.tables, init["tables"], strict=True)}
+    tables = {
+        t.name: jnp.asarray(x, t.dtype)
+        for t, x in zip(coll.tables, init["tables"], strict=True)
+    }
     return {
         "emb": coll.stack(tables),
         "bottom": [(jnp.asarray(w), jnp.asarray(b)) for w, b in init["bottom"]],
@@ -97,7 +100,9 @@ def head_loss(params, dense, emb, labels):
 def make_loss(coll: js.EmbeddingCollection):
     def loss_fn(params, dense, kjt, labels):
         emb = coll.concat(params["emb"], kjt)  # [B, F * D], pooled side by side
-        emb = emb.reshape(emb.shape[0], len(coll.features), -1)
+        # float32 from here (a no-op for float32 tables; bf16 ones pool in
+        # float32 and are returned in bf16)
+        emb = emb.reshape(emb.shape[0], len(coll.features), -1).astype(jnp.float32)
         return head_loss(params, dense, emb, labels)
 
     return loss_fn
@@ -111,14 +116,25 @@ def make_optimizer(lr: float, dense_lr: float) -> optax.GradientTransformation:
     )
 
 
-def make_step(coll: js.EmbeddingCollection, tx: optax.GradientTransformation):
-    """The jitted training step; params and optimizer state are donated."""
+def make_step(
+    coll: js.EmbeddingCollection,
+    tx: optax.GradientTransformation,
+    stochastic_rounding: bool | None = None,
+):
+    """The jitted training step; params and optimizer state are donated.
+
+    ``stochastic_rounding``: how a bf16/f16 buffer is written
+    (:func:`jaxslices.apply_updates`; the step number seeds it).
+    """
     grad_fn = js.value_and_grad(make_loss(coll))
 
-    def step(params, state, dense, kjt, labels):
+    def step(params, state, dense, kjt, labels, k):
         loss, grads = grad_fn(params, dense, kjt, labels)
         updates, state = tx.update(grads, state, params)
-        return js.apply_updates(params, updates), state, loss
+        params = js.apply_updates(
+            params, updates, stochastic_rounding=stochastic_rounding, key=k
+        )
+        return params, state, loss
 
     return jax.jit(step, donate_argnums=(0, 1))
 
@@ -149,15 +165,21 @@ def main(
     seed: int = 0,
     out: str | None = "out",
     progress: bool = True,
+    table_dtype: str = "float32",
+    stochastic_rounding: bool | None = None,
 ) -> dict:
-    """Train, evaluating every ``eval_every`` steps; return the curves."""
+    """Train, evaluating every ``eval_every`` steps; return the curves.
+
+    ``table_dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``): the
+    tables'; ``stochastic_rounding``: how a low-precision buffer is written.
+    """
     sizes = synth.table_sizes(scale)
-    coll = make_collection(sizes, dim)
+    coll = make_collection(sizes, dim, jnp.dtype(table_dtype))
     data = synth.CriteoSynth(tuple(sizes), batch, max_len, seed=seed)
     params = init_params(coll, synth.init_dlrm(sizes, dim, seed=seed))
     tx = make_optimizer(lr, dense_lr)
     state = tx.init(params)
-    step = make_step(coll, tx)
+    step = make_step(coll, tx, stochastic_rounding)
     loss_fn = jax.jit(make_loss(coll))
     max_total = len(sizes) * batch * max_len
     held_out = [inputs(data.batch_at(2**40 + i), coll.features, max_total)
@@ -172,7 +194,7 @@ def main(
     for i in range(steps):
         batch_in = inputs(data.batch_at(i), coll.features, max_total)
         t0 = time.perf_counter()
-        params, state, loss = step(params, state, *batch_in)
+        params, state, loss = step(params, state, *batch_in, i)
         train_losses.append(float(loss))  # blocks: the step's time
         times.append(time.perf_counter() - t0)
         if (i + 1) % eval_every == 0 or i + 1 == steps:
@@ -193,10 +215,13 @@ def main(
             lr=lr,
             dense_lr=dense_lr,
             seed=seed,
+            table_dtype=table_dtype,
+            stochastic_rounding=stochastic_rounding,
         ),  # fmt: skip
         "tables": len(sizes),
         "rows": int(sum(sizes)),
         "buffers": {k: list(v) for k, v in coll.shapes.items()},
+        "table_bytes": int(sum(x.nbytes for x in jax.tree.leaves(params["emb"]))),
         "label_entropy": entropy,
         "eval": evals,
         "train_losses": train_losses,
@@ -257,8 +282,17 @@ if __name__ == "__main__":
     p.add_argument("--dense-lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out")
+    p.add_argument(
+        "--table-dtype", default="float32", choices=["float32", "bfloat16", "float16"]
+    )
+    p.add_argument(
+        "--rounding", default="stochastic", choices=["stochastic", "nearest"],
+        help="how a bfloat16/float16 buffer is written",
+    )  # fmt: skip
     a = p.parse_args()
     main(
         steps=a.steps, batch=a.batch, dim=a.dim, scale=a.scale, max_len=a.max_len,
         lr=a.lr, dense_lr=a.dense_lr, seed=a.seed, out=a.out,
+        table_dtype=a.table_dtype,
+        stochastic_rounding=a.rounding == "stochastic",
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""Rounding float32 results into bfloat16 and float16 arrays: to nearest or stochastically.
+"""Rounding float32 results into bfloat16 and float16: to nearest or stochastically.
 
 A low-precision table (``bfloat16``, ``float16``) is updated in float32 (the
 row plus the sum of its updates) and written back rounded. Round to nearest
@@ -9,16 +9,19 @@ otherwise, so the expected result is ``x`` and small updates survive on
 average (FBGEMM writes fp16 and bf16 tables this way by default).
 
 The randomness is a hash, not a PRNG stream, so that the XLA path and the
-native kernels (``kernels/csrc/common.h``, ``RoundStochastic``) draw the same
-bits without sharing state: for the entry in row ``r``, column ``c`` (the
-flat position within the row) whose float32 value has bit pattern ``b``,
-the 32 bits are ``mix(mix(mix(mix(seed) ^ r_lo ^ mix(r_hi)) ^ c) ^ b)``,
-``mix`` being the 32-bit finaliser of MurmurHash3 (Austin Appleby, public
-domain: xor-shift 16, multiply ``0x85EBCA6B``, xor-shift 13, multiply
-``0xC2B2AE35``, xor-shift 16). The value's own bits are in the hash so that a
-row that receives a different update draws a different number, without a
-step counter; ``seed`` (:func:`jaxslices.apply_updates`'s ``key``) makes
-the draws of two steps independent even when the values repeat.
+native kernels (``kernels/csrc/common.h``) draw the same bits without
+sharing state: for a float32 result with bit pattern ``b`` the 32 bits are
+``mix(mix(seed) ^ b)``, ``mix`` being the 32-bit finaliser of MurmurHash3
+(Austin Appleby, public domain: xor-shift 16, multiply ``0x85EBCA6B``,
+xor-shift 13, multiply ``0xC2B2AE35``, xor-shift 16). The hash reads the
+value and the seed only, not where the entry lives: a table alone, stacked
+in a collection's buffer, split over the rows or columns of a mesh, on the
+XLA path or in a kernel, an entry is rounded the same way. Equal values
+round alike within one call (they are equal in float32 too); a row that
+receives another update draws another number. The seed
+(:func:`jaxslices.apply_updates`'s ``key``, e.g. the step) makes two
+steps' draws independent when a value repeats exactly (a row whose small
+update keeps rounding back to the same weight).
 
 How each format rounds:
 
@@ -49,7 +52,7 @@ __all__ = [
     "is_low_precision",
     "mix32",
     "noise",
-    "round_rows",
+    "round_to",
     "seed_from",
 ]
 
@@ -100,16 +103,10 @@ def seed_from(key: Any) -> jax.Array:
     return h
 
 
-def noise(seed: jax.Array, rows: jax.Array, row_size: int, x: jax.Array) -> jax.Array:
-    """The 32 random bits of each entry of ``x`` (``[N, R]`` float32, row ``rows[n]``)."""
-    r = jnp.asarray(rows)
-    r_lo = _u32(r)
-    r_hi = _u32(r >> 32) if r.dtype.itemsize == 8 else jnp.zeros_like(r_lo)
-    h = mix32(mix32(_u32(seed)) ^ r_lo ^ mix32(r_hi))[:, None]
-    cols = jnp.arange(row_size, dtype=jnp.uint32)[None, :]
-    h = mix32(h ^ cols)
+def noise(seed: jax.Array, x: jax.Array) -> jax.Array:
+    """The 32 random bits of each entry of the float32 array ``x``."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return mix32(h ^ bits)
+    return mix32(mix32(_u32(seed)) ^ bits)
 
 
 def _round_bf16(x: jax.Array, h: jax.Array) -> jax.Array:
@@ -140,26 +137,20 @@ def _round_f16(x: jax.Array, h: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(out, jnp.float16)
 
 
-def round_rows(
-    x: jax.Array,
-    dtype: Any,
-    rows: jax.Array,
-    *,
-    stochastic: bool,
-    seed: jax.Array | None = None,
+def round_to(
+    x: jax.Array, dtype: Any, *, stochastic: bool, seed: jax.Array | None = None
 ) -> jax.Array:
-    """``x`` (``[N, R]``, computed in float32) rounded into ``dtype``.
+    """``x`` (computed in float32) rounded into ``dtype``, entry by entry.
 
-    ``rows[n]`` is the table row of ``x[n]`` (it picks the noise). Round to
-    nearest unless ``stochastic`` and ``dtype`` is bfloat16 or float16; a
-    wider ``dtype`` is a plain cast.
+    Round to nearest unless ``stochastic`` and ``dtype`` is bfloat16 or
+    float16; a wider ``dtype`` is a plain cast.
     """
     dtype = jnp.dtype(dtype)
     if not stochastic or dtype not in LOW_PRECISION:
         return x.astype(dtype)
-    x = x.astype(jnp.float32)
+    x = jnp.asarray(x).astype(jnp.float32)
     seed = jnp.zeros((), jnp.uint32) if seed is None else seed
-    h = noise(seed, rows, x.shape[1], x)
+    h = noise(seed, x)
     out = _round_bf16(x, h) if dtype == jnp.bfloat16 else _round_f16(x, h)
     special = ~jnp.isfinite(x)
     return jnp.where(special, x.astype(dtype), out)

@@ -1051,9 +1051,8 @@ def _scatter_rounded(
     idx = safe_indices(c)
     old = x.at[idx].get(mode="fill", fill_value=0, **flags)
     total = old.astype(jnp.float32) + c.values.astype(jnp.float32)
-    flat = _recipe.flat_rows(total) if total.ndim > 1 else total[:, None]
-    new = _rounding.round_rows(flat, x.dtype, idx, stochastic=stochastic, seed=seed)
-    return x.at[idx].set(new.reshape(old.shape), mode="drop", **flags)
+    new = _rounding.round_to(total, x.dtype, stochastic=stochastic, seed=seed)
+    return x.at[idx].set(new, mode="drop", **flags)
 
 
 def scatter_sub(x: jax.Array, s: IndexedSlices) -> jax.Array:

@@ -50,12 +50,8 @@ def _apply_leaf(
             return slices._scatter_rounded(p, u, where, stochastic=sr, seed=seed)
         return slices._scatter_add(p, u, where)  # lays the rows out on a mesh first
     if low and stochastic:  # dense leaves round stochastically when asked
-        total = (p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)).reshape(
-            (p.shape[0] if p.ndim else 1, -1)
-        )
-        rows = jnp.arange(total.shape[0], dtype=jnp.int32)
-        new = _rounding.round_rows(total, p.dtype, rows, stochastic=True, seed=seed)
-        return new.reshape(p.shape)
+        total = p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)
+        return _rounding.round_to(total, p.dtype, stochastic=True, seed=seed)
     return (p + u).astype(p.dtype)
 
 

@@ -107,6 +107,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "2026-11-cpu-donation-rerun/step_bench_cpu.json",
     ),
     "scale-out-plans": ("2026-11-cpu-plans/plan_scale_bench_cpu.json",),
+    "optax-low-precision": ("2026-11-cpu-lowp-movielens/low_precision.json",),
 }
 
 _BLOCK = re.compile(
@@ -271,6 +272,35 @@ def examples_movielens() -> str:
         f"| {big['sparse']['median_step_ms']:.2f} | "
         f"{big['dense']['median_step_ms']:.2f} | {big['speedup']:.0f}x |\n"
     )
+
+
+def optax_low_precision() -> str:
+    """docs/optax.md: ``python examples/low_precision.py --out ...``."""
+    (name,) = SOURCES["optax-low-precision"]
+    r = load(name)
+    st = r["settings"]
+    ref = r["variants"]["float32"]["test_rmse"]
+    lines = [
+        f"{r['dataset']}, the model of `examples/movielens.py` (dimension "
+        f"{st['dim']}, {st['epochs']} epochs of {st['batch_size']} ratings, "
+        f"`jaxslices.adagrad({st['lr']})`), the same batches for every variant "
+        f"(`python examples/low_precision.py --out ...`, "
+        f"`benchmarks/results/{name}`):",
+        "",
+        "| variant | tables | Adagrad state | rounding | test RMSE | minus float32 "
+        "| table bytes | state bytes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, v in r["variants"].items():
+        rounding = "stochastic" if v["stochastic_rounding"] else "to nearest"
+        if key == "float32":
+            rounding = "-"
+        lines.append(
+            f"| `{key}` | {v['table_dtype']} | {v['state_dtype']} | {rounding} | "
+            f"{v['test_rmse']:.4f} | {v['test_rmse'] - ref:+.4f} | "
+            f"{sum(v['table_bytes'].values()):,} | {v['optimizer_state_bytes']:,} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def readme_demo() -> str:
@@ -1136,6 +1166,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "optimizer-floor": optimizer_floor,
     "donation": donation,
     "scale-out-plans": scale_out_plans,
+    "optax-low-precision": optax_low_precision,
 }
 
 

@@ -422,6 +422,9 @@ class ShardingPlan(CollectionFace):
         grads: Any,
         state: Any,
         params: Any,
+        *,
+        stochastic_rounding: bool | None = None,
+        key: Any = None,
     ) -> tuple[Any, Any]:
         """One optimizer step: ``tx.update`` then ``apply_updates``, on the owners.
 
@@ -448,6 +451,10 @@ class ShardingPlan(CollectionFace):
         the global batch's rows): it warns, once per traced step, naming
         this method.
 
+        ``stochastic_rounding`` and ``key``: how bfloat16/float16 buffers
+        are written, as in :func:`jaxslices.apply_updates` (the rounding
+        reads the value, not the row, so every plan rounds as one device).
+
         Returns:
           ``(new_params, new_state)``.
         """
@@ -465,7 +472,16 @@ class ShardingPlan(CollectionFace):
             routes.append(
                 self._routes.get(b.name) if b is not None and shape == b.shape else None
             )
-        return _routing.update(tx, grads, state, params, routes, "ShardingPlan.update")
+        return _routing.update(
+            tx,
+            grads,
+            state,
+            params,
+            routes,
+            "ShardingPlan.update",
+            stochastic_rounding=stochastic_rounding,
+            key=key,
+        )
 
     def estimate_capacity(
         self,

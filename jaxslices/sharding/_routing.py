@@ -304,6 +304,9 @@ def update(
     params: Any,
     routes: Sequence[Route | None],
     where: str,
+    *,
+    stochastic_rounding: bool | None = None,
+    key: Any = None,
 ) -> tuple[Any, Any]:
     """``tx.update`` then ``apply_updates``, each sharded leaf on its owners.
 
@@ -326,9 +329,10 @@ def update(
         raise ValueError(f"{where}: one route per parameter leaf.")
     routed = [r for r in routes if r is not None and r.routing == "all_to_all"]
     _spmd.routed_step_taken(p for p, r in zip(leaves, routes, strict=True) if r)
+    rounding = {"stochastic_rounding": stochastic_rounding, "key": key}
     if not routed:
         upd, state = tx.update(grads, state, params)
-        return updates_.apply_updates(params, upd), state
+        return updates_.apply_updates(params, upd, **rounding), state
     route0 = routed[0]
     mesh, axis = route0.mesh, route0.axis
     for r in routes:
@@ -381,7 +385,8 @@ def update(
         params_ = jax.tree.unflatten(treedef, p_flat)
         with _spmd.rows_sharded_over(axis, shards):  # global norms sum over shards
             updates, new_state = tx.update(grads_, state, params_)
-        return jax.tree.leaves(updates_.apply_updates(params_, updates)), new_state
+        new = updates_.apply_updates(params_, updates, **rounding)
+        return jax.tree.leaves(new), new_state
 
     new_leaves, new_state = _shard_map(
         local, mesh, (g_specs, s_specs, p_specs), (p_specs, s_specs)
@@ -487,6 +492,8 @@ def sharded_update(
     routing: Routing = "masked",
     capacity: int | None = None,
     mesh: Any = None,
+    stochastic_rounding: bool | None = None,
+    key: Any = None,
 ) -> tuple[Any, Any]:
     """One optimizer step for params whose tables are sharded by rows over ``axis``.
 
@@ -524,6 +531,8 @@ def sharded_update(
         shard; ``None``: its whole part of the batch (never overflows).
         :func:`jaxslices.capacity.estimate_all_to_all_capacity` estimates it.
       mesh: the mesh; ``None``: the one the parameters are placed on.
+      stochastic_rounding, key: how bfloat16/float16 tables are written, as
+        in :func:`jaxslices.apply_updates` (the same bits as on one device).
 
     Returns:
       ``(new_params, new_state)``.
@@ -544,9 +553,10 @@ def sharded_update(
     """
     where = "sharded_update"
     check_routing(routing, where, capacity)
+    rounding = {"stochastic_rounding": stochastic_rounding, "key": key}
     if routing == "masked":
         upd, state = tx.update(grads, state, params)
-        return updates_.apply_updates(params, upd), state
+        return updates_.apply_updates(params, upd, **rounding), state
     leaves, treedef = jax.tree.flatten(params)
     g_leaves = jax.tree.leaves(grads, is_leaf=is_indexed_slices)
     if len(g_leaves) != len(leaves):
@@ -559,11 +569,11 @@ def sharded_update(
     first = next((p for p, t in zip(leaves, tables, strict=True) if t), None)
     if first is None:
         upd, state = tx.update(grads, state, params)
-        return updates_.apply_updates(params, upd), state
+        return updates_.apply_updates(params, upd, **rounding), state
     mesh = _resolve(first, mesh, axis, where)
     route = Route(mesh, axis, "all_to_all", capacity, f"{where}(routing='all_to_all')")
     for p, t in zip(leaves, tables, strict=True):
         if t:
             _resolve(p, mesh, axis, where)  # rows divide evenly
     routes = [route if t else None for t in tables]
-    return update(tx, grads, state, params, routes, where)
+    return update(tx, grads, state, params, routes, where, **rounding)

@@ -19,6 +19,7 @@ from ._rowwise import (
     Native,
     ScalarOrSchedule,
     check_max_distinct,
+    check_stochastic_rounding,
     packed_pair,
     packed_zeros,
     rowwise_update,
@@ -52,6 +53,7 @@ def sgd(
     *,
     coalesce_method: str = "auto",
     max_distinct: Any = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Stochastic gradient descent, with optional lazy momentum.
 
@@ -78,6 +80,8 @@ def sgd(
       coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
       max_distinct: with momentum only (plain SGD does not coalesce): the
         distinct-row bound of sparse leaves, as in :func:`lazy_adam`.
+      stochastic_rounding: with momentum only (plain SGD has no state): how
+        a bfloat16/float16 trace is written, as in :func:`lazy_adam`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; its state is the
@@ -103,6 +107,7 @@ def sgd(
     """
     check_method(coalesce_method, "jaxslices.sgd")
     check_max_distinct(max_distinct, "sgd")
+    check_stochastic_rounding(stochastic_rounding, "sgd")
     first = (
         optax.identity()
         if momentum is None
@@ -112,6 +117,7 @@ def sgd(
             accumulator_dtype=accumulator_dtype,
             coalesce_method=coalesce_method,
             max_distinct=max_distinct,
+            stochastic_rounding=stochastic_rounding,
         )
     )
     return optax.chain(first, scale_by_learning_rate(learning_rate))
@@ -124,6 +130,7 @@ def adagrad(
     *,
     coalesce_method: str = "auto",
     max_distinct: Any = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Adagrad that keeps sparse gradients sparse; equals :func:`optax.adagrad`.
 
@@ -147,6 +154,7 @@ def adagrad(
       coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
       max_distinct: the distinct-row bound of sparse leaves (an ``int`` or a
         pytree prefix of the params), as in :func:`lazy_adam`.
+      stochastic_rounding: as in :func:`lazy_adam`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
@@ -168,12 +176,14 @@ def adagrad(
     """
     check_method(coalesce_method, "jaxslices.adagrad")
     check_max_distinct(max_distinct, "adagrad")
+    check_stochastic_rounding(stochastic_rounding, "adagrad")
     return optax.chain(
         scale_by_rss(
             initial_accumulator_value,
             eps,
             coalesce_method=coalesce_method,
             max_distinct=max_distinct,
+            stochastic_rounding=stochastic_rounding,
         ),
         scale_by_learning_rate(learning_rate),
     )
@@ -190,6 +200,7 @@ def lazy_adam(
     nesterov: bool = False,
     coalesce_method: str = "auto",
     max_distinct: Any = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Lazy Adam: :func:`optax.adam` on dense leaves, touched rows only on slices.
 
@@ -233,6 +244,13 @@ def lazy_adam(
         :func:`jaxslices.capacity.estimate_max_distinct` estimates it from
         sample batches; ``docs/optax.md`` ("Distinct-row bound") says how to
         choose it.
+      stochastic_rounding: how bfloat16/float16 optimizer state is written
+        (docs/optax.md, "Low-precision tables"): ``None`` (default)
+        stochastically for sparse leaves, to nearest for dense ones (Optax's
+        numbers); ``True`` stochastically for both; ``False`` to nearest.
+        The state is read and updated in float32 and rounded once when
+        written. (The table itself is rounded by
+        :func:`jaxslices.apply_updates`, which has the same switch.)
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
@@ -253,6 +271,7 @@ def lazy_adam(
     """
     check_method(coalesce_method, "jaxslices.lazy_adam")
     check_max_distinct(max_distinct, "lazy_adam")
+    check_stochastic_rounding(stochastic_rounding, "lazy_adam")
     return optax.chain(
         scale_by_lazy_adam(
             b1,
@@ -263,6 +282,7 @@ def lazy_adam(
             nesterov=nesterov,
             coalesce_method=coalesce_method,
             max_distinct=max_distinct,
+            stochastic_rounding=stochastic_rounding,
         ),
         scale_by_learning_rate(learning_rate),
     )
@@ -281,6 +301,7 @@ def lazy_adamw(
     nesterov: bool = False,
     coalesce_method: str = "auto",
     max_distinct: Any = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Lazy AdamW: :func:`optax.adamw` on dense leaves, touched rows only on slices.
 
@@ -297,7 +318,8 @@ def lazy_adamw(
       learning_rate, b1, b2, eps, eps_root, mu_dtype: as in :func:`lazy_adam`.
       weight_decay: a scalar or an Optax schedule.
       mask: which leaves decay, as in :func:`add_decayed_weights`.
-      nesterov, coalesce_method, max_distinct: as in :func:`lazy_adam`.
+      nesterov, coalesce_method, max_distinct, stochastic_rounding: as in
+        :func:`lazy_adam`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
@@ -320,6 +342,7 @@ def lazy_adamw(
     """
     check_method(coalesce_method, "jaxslices.lazy_adamw")
     check_max_distinct(max_distinct, "lazy_adamw")
+    check_stochastic_rounding(stochastic_rounding, "lazy_adamw")
     return optax.chain(
         scale_by_lazy_adam(
             b1,
@@ -330,6 +353,7 @@ def lazy_adamw(
             nesterov=nesterov,
             coalesce_method=coalesce_method,
             max_distinct=max_distinct,
+            stochastic_rounding=stochastic_rounding,
         ),
         # scale_by_lazy_adam's slices are coalesced already: no second sort.
         add_decayed_weights(
@@ -349,6 +373,7 @@ def rowwise_adagrad(
     *,
     coalesce_method: str = "auto",
     max_distinct: Any = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Row-wise Adagrad: one accumulator per table row (FBGEMM's exact rule).
 
@@ -373,6 +398,7 @@ def rowwise_adagrad(
       coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
       max_distinct: the distinct-row bound of sparse leaves (an ``int`` or a
         pytree prefix of the params), as in :func:`lazy_adam`.
+      stochastic_rounding: as in :func:`lazy_adam`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
@@ -397,12 +423,14 @@ def rowwise_adagrad(
     """
     check_method(coalesce_method, "jaxslices.rowwise_adagrad")
     check_max_distinct(max_distinct, "rowwise_adagrad")
+    check_stochastic_rounding(stochastic_rounding, "rowwise_adagrad")
     return optax.chain(
         scale_by_rowwise_rss(
             initial_accumulator_value,
             eps,
             coalesce_method=coalesce_method,
             max_distinct=max_distinct,
+            stochastic_rounding=stochastic_rounding,
         ),
         scale_by_learning_rate(learning_rate),
     )
@@ -483,6 +511,7 @@ def ftrl(
     *,
     coalesce_method: str = "auto",
     max_distinct: Any = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""FTRL-proximal (Keras 3 ``Ftrl``), touched rows only for sparse leaves.
 
@@ -526,6 +555,7 @@ def ftrl(
       coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
       max_distinct: the distinct-row bound of sparse leaves (an ``int`` or a
         pytree prefix of the params), as in :func:`lazy_adam`.
+      stochastic_rounding: as in :func:`lazy_adam`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -548,6 +578,7 @@ def ftrl(
     """
     check_method(coalesce_method, "jaxslices.ftrl")
     check_max_distinct(max_distinct, "ftrl")
+    check_stochastic_rounding(stochastic_rounding, "ftrl")
     _check_nonnegative(
         initial_accumulator_value=initial_accumulator_value,
         l1=l1,
@@ -611,6 +642,7 @@ def ftrl(
             params,
             method=coalesce_method,
             max_distinct=max_distinct,
+            stochastic_rounding=stochastic_rounding,
             native=Native(spec, hp),
         )
         count = optax.safe_increment(state.count)

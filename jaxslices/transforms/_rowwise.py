@@ -43,9 +43,11 @@ bounds, so they are dropped by scatters and filled by gathers.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import math
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -54,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from .. import _coalesce, _errors, _leaves, _spmd, slices
+from .. import _coalesce, _errors, _leaves, _rounding, _spmd, slices
 from .._recipe import Recipe
 from ..kernels import _ops as kernel_ops
 from ..kernels import _path as kernel_path
@@ -219,12 +221,52 @@ def rows(x: Any, c: IndexedSlices) -> jax.Array:
     return jnp.asarray(x).at[idx].get(mode="fill", fill_value=0, **promises(c))
 
 
-def set_rows(x: Any, c: IndexedSlices, new_rows: jax.Array) -> jax.Array:
-    """Write ``new_rows`` into ``x`` at ``c``'s (unique) indices; padding dropped."""
+def set_rows(
+    x: Any, c: IndexedSlices, new_rows: jax.Array, seed: Any = None
+) -> jax.Array:
+    """Write ``new_rows`` into ``x`` at ``c``'s (unique) indices; padding dropped.
+
+    With a ``seed``, rows of a bfloat16/float16 ``x`` are rounded
+    stochastically (:mod:`jaxslices._rounding`), else to nearest.
+    """
     x = jnp.asarray(x)
     flags = promises(c)  # a layout constraint rebuilds c without its flags
     idx, new_rows = _spmd.replicate_rows(x, (slices.safe_indices(c), new_rows))
+    if seed is not None and _rounding.is_low_precision(x.dtype):
+        new_rows = _rounding.round_to(new_rows, x.dtype, stochastic=True, seed=seed)
     return x.at[idx].set(new_rows.astype(x.dtype), mode="drop", **flags)
+
+
+#: True while a rule runs on float32 copies of low-precision states that are
+#: rounded stochastically when written: rules then leave their states wide.
+_ROUNDED_LATER: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jaxslices_rounded_later", default=False
+)
+
+
+def state_as(x: Any, dtype: Any) -> Any:
+    """A rule's new state in ``dtype``, or left in float32 when it is rounded
+    stochastically on the way into its low-precision storage."""
+    return x if _ROUNDED_LATER.get() else x.astype(dtype)
+
+
+def _round_state(x: Any, dtype: Any, seed: jax.Array) -> jax.Array:
+    return _rounding.round_to(x, dtype, stochastic=True, seed=seed)
+
+
+def state_seed(name: str, i: int) -> jax.Array:
+    """The rounding seed of a transform's ``i``-th state tree (fixed per state,
+    so two states' draws differ; the hash also reads the value)."""
+    return _rounding.mix32(jnp.asarray(zlib.crc32(f"{name}/{i}".encode()), jnp.uint32))
+
+
+def check_stochastic_rounding(value: Any, where: str) -> None:
+    """``stochastic_rounding`` must be ``None``, ``True`` or ``False``."""
+    if not (value is None or isinstance(value, bool)):
+        raise TypeError(
+            f"jaxslices.{where}: `stochastic_rounding` must be None, True or "
+            f"False; got {value!r}."
+        )
 
 
 # ------------------------------------------------------------ packed state
@@ -460,6 +502,7 @@ def rowwise_update(
     method: str = "auto",
     max_distinct: Any = None,
     native: Native | None = None,
+    stochastic_rounding: bool | None = None,
 ) -> tuple[Any, tuple[Any, ...]]:
     """Apply ``rule`` to every leaf of ``updates``: dense whole, sparse by rows.
 
@@ -483,6 +526,11 @@ def rowwise_update(
       native: the rule's native kernel, taken for a sparse leaf when
         :func:`jaxslices.kernels` allow it (:func:`native_leaf`); at most one
         state tree.
+      stochastic_rounding: how bfloat16/float16 states are written: ``None``
+        stochastically for sparse leaves and to nearest for dense ones
+        (Optax's numbers); ``True`` stochastically for both; ``False`` to
+        nearest. Rounded stochastically, a state is read and updated in
+        float32 and rounded once when written.
 
     Returns:
       ``(new_updates, new_state_trees)``; a ``None`` update keeps its state.
@@ -507,11 +555,15 @@ def rowwise_update(
             check_leaf(name, path, g, x, x_name, want)
         check_leaf(name, path, g, p, "params")
 
-        def run(g_rows, st_rows, p_rows, split, join):
+        def run(g_rows, st_rows, p_rows, split, join, wide=False):
             parts = []
             for x, (_, _, k) in zip(st_rows, entries, strict=True):
                 parts += list(split(x, k)) if k else [x]
-            upd, new = rule(g_rows, tuple(parts), p_rows)
+            token = _ROUNDED_LATER.set(wide)
+            try:
+                upd, new = rule(g_rows, tuple(parts), p_rows)
+            finally:
+                _ROUNDED_LATER.reset(token)
             if any(k for *_, k in entries):
                 # The new states as buffers of their own, before they are
                 # packed. Else XLA fuses the rule into the packing and again
@@ -525,9 +577,23 @@ def rowwise_update(
                 i += k or 1
             return upd, packed
 
+        low = [_rounding.is_low_precision(x.dtype) for x in st]
+        sr = stochastic_rounding
         if not isinstance(g, IndexedSlices):
-            upd, new = run(g, st, p, unpack, pack)
+            if not (sr and any(low)):
+                upd, new = run(g, st, p, unpack, pack)
+                return Out(upd, *new)
+            wide = tuple(
+                x.astype(jnp.float32) if lo else x
+                for x, lo in zip(st, low, strict=True)
+            )
+            upd, new = run(g, wide, p, unpack, pack, wide=True)
+            new = tuple(
+                _round_state(n, x.dtype, state_seed(name, i)) if lo else n
+                for i, (n, x, lo) in enumerate(zip(new, st, low, strict=True))
+            )
             return Out(upd, *new)
+        sr = sr is not False and any(low)
         if native is not None and n_trees <= 1:
             k = entries[0][2] if entries else 0
             done = native_leaf(
@@ -563,14 +629,19 @@ def rowwise_update(
             ]
             return jnp.concatenate([_store_as(q, dtype) for q in rows_], axis=1)
 
-        upd, new = run(c.values, tuple(rows(f, c) for f in flat), p_rows, split, join)
+        st_rows = tuple(rows(f, c) for f in flat)
+        if sr:
+            st_rows = tuple(r.astype(jnp.float32) for r in st_rows)
+        upd, new = run(c.values, st_rows, p_rows, split, join, wide=sr)
         new_st = tuple(
-            set_rows(f, c, r).reshape(x.shape)
-            for f, x, r in zip(flat, st, new, strict=True)
+            set_rows(f, c, r, state_seed(name, i) if sr else None).reshape(x.shape)
+            for i, (f, x, r) in enumerate(zip(flat, st, new, strict=True))
         )
         upd = mask_padding(c, jnp.asarray(upd))
         return Out(_replace_values(c, upd), *new_st)
 
+    check_stochastic_rounding(stochastic_rounding, name)
+    check_stochastic_rounding(stochastic_rounding, name)
     for other_name, other in others:
         _leaves.check_structure(
             f"jaxslices.{name}", updates, "updates", other, other_name

@@ -26,12 +26,14 @@ from ._rowwise import (
     abs_sq,
     check_all,
     check_max_distinct,
+    check_stochastic_rounding,
     is_leaf,
     leaf_bounds,
     map_values,
     packed_pair,
     packed_zeros,
     rowwise_update,
+    state_as,
     unpacked,
     zeros_like,
 )
@@ -183,6 +185,7 @@ def trace(
     *,
     coalesce_method: str = "auto",
     max_distinct: Any = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Momentum ``t <- g + decay * t``, lazy for sparse leaves: :func:`sgd`'s trace.
 
@@ -193,7 +196,8 @@ def trace(
 
     Args:
       decay: the momentum coefficient (``momentum`` of :func:`jaxslices.sgd`).
-      nesterov, accumulator_dtype, coalesce_method, max_distinct: as in
+      nesterov, accumulator_dtype, coalesce_method, max_distinct,
+        stochastic_rounding: as in
         :func:`jaxslices.sgd`.
 
     Returns:
@@ -212,6 +216,7 @@ def trace(
     """
     check_method(coalesce_method, "jaxslices.trace")
     check_max_distinct(max_distinct, "trace")
+    check_stochastic_rounding(stochastic_rounding, "trace")
     dtype = None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
 
     def init_fn(params):
@@ -220,7 +225,7 @@ def trace(
     def rule(g, states, p):
         (t,) = states
         upd, new_t = _trace_math(g, t, decay, nesterov)
-        return upd, (new_t if dtype is None else new_t.astype(dtype),)
+        return upd, (new_t if dtype is None else state_as(new_t, dtype),)
 
     refuse = None
     if dtype is not None and dtype != jnp.float32:
@@ -242,6 +247,7 @@ def trace(
             [("state.trace", state.trace)],
             method=coalesce_method,
             max_distinct=max_distinct,
+            stochastic_rounding=stochastic_rounding,
             native=Native(spec, (decay,), refuse=refuse),
         )
         return updates, TraceState(trace=new_trace)
@@ -394,6 +400,7 @@ def scale_by_rss(
     *,
     coalesce_method: str = "auto",
     max_distinct: Any = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Adagrad's scaling, ``g / sqrt(sum of g**2 + eps)``, touched rows only.
 
@@ -403,7 +410,8 @@ def scale_by_rss(
     accumulator rows they touch are gathered, updated and scattered back.
 
     Args:
-      initial_accumulator_value, eps, coalesce_method, max_distinct: as in
+      initial_accumulator_value, eps, coalesce_method, max_distinct,
+        stochastic_rounding: as in
         :func:`jaxslices.adagrad`.
 
     Returns:
@@ -420,6 +428,7 @@ def scale_by_rss(
     """
     check_method(coalesce_method, "jaxslices.scale_by_rss")
     check_max_distinct(max_distinct, "scale_by_rss")
+    check_stochastic_rounding(stochastic_rounding, "scale_by_rss")
 
     def init_fn(params):
         return ScaleByRssState(
@@ -441,6 +450,7 @@ def scale_by_rss(
             [("state", state.sum_of_squares)],
             method=coalesce_method,
             max_distinct=max_distinct,
+            stochastic_rounding=stochastic_rounding,
             native=Native(_RSS_SPEC, (eps,)),
         )
         return updates, ScaleByRssState(sum_of_squares=acc)
@@ -486,6 +496,7 @@ def scale_by_rowwise_rss(
     *,
     coalesce_method: str = "auto",
     max_distinct: Any = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Row-wise Adagrad's scaling: one accumulator per row, ``g / (sqrt(acc) + eps)``.
 
@@ -496,7 +507,8 @@ def scale_by_rowwise_rss(
     are coalesced first; only the touched rows' accumulators change.
 
     Args:
-      initial_accumulator_value, eps, coalesce_method, max_distinct: as in
+      initial_accumulator_value, eps, coalesce_method, max_distinct,
+        stochastic_rounding: as in
         :func:`jaxslices.rowwise_adagrad`.
 
     Returns:
@@ -515,6 +527,7 @@ def scale_by_rowwise_rss(
     """
     check_method(coalesce_method, "jaxslices.scale_by_rowwise_rss")
     check_max_distinct(max_distinct, "scale_by_rowwise_rss")
+    check_stochastic_rounding(stochastic_rounding, "scale_by_rowwise_rss")
 
     def init_leaf(p):
         if not (hasattr(p, "shape") and hasattr(p, "dtype")):
@@ -542,6 +555,7 @@ def scale_by_rowwise_rss(
             state_shape=_rowwise_state_shape,
             method=coalesce_method,
             max_distinct=max_distinct,
+            stochastic_rounding=stochastic_rounding,
             native=Native(_ROWWISE_RSS_SPEC, (eps,)),
         )
         return updates, ScaleByRowwiseRssState(sum_of_squares=acc)
@@ -645,6 +659,7 @@ def scale_by_lazy_adam(
     nesterov: bool = False,
     coalesce_method: str = "auto",
     max_distinct: Any = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Adam's scaling (:func:`optax.scale_by_adam`), lazy for sparse leaves.
 
@@ -657,7 +672,8 @@ def scale_by_lazy_adam(
     rows get an update.
 
     Args:
-      b1, b2, eps, eps_root, mu_dtype, nesterov, coalesce_method, max_distinct:
+      b1, b2, eps, eps_root, mu_dtype, nesterov, coalesce_method, max_distinct,
+        stochastic_rounding:
         as in :func:`jaxslices.lazy_adam`.
 
     Returns:
@@ -676,6 +692,7 @@ def scale_by_lazy_adam(
     """
     check_method(coalesce_method, "jaxslices.scale_by_lazy_adam")
     check_max_distinct(max_distinct, "scale_by_lazy_adam")
+    check_stochastic_rounding(stochastic_rounding, "scale_by_lazy_adam")
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     refuse = None
     if mu_dtype is not None and mu_dtype != jnp.float32:
@@ -712,9 +729,9 @@ def scale_by_lazy_adam(
             m, v = states
             if mu_dtype is not None:
                 # Each moment in its own dtype (the buffer holds the wider).
-                m, v = m.astype(mu_dtype), v.astype(jnp.result_type(g))
+                m, v = state_as(m, mu_dtype), state_as(v, jnp.result_type(g))
             upd, mu, nu = _adam_math(g, m, v, *hp, nesterov)
-            new_mu = mu if mu_dtype is None else mu.astype(mu_dtype)
+            new_mu = mu if mu_dtype is None else state_as(mu, mu_dtype)
             return upd, (new_mu, nu.astype(v.dtype))
 
         updates, (mu_nu,) = rowwise_update(
@@ -724,6 +741,7 @@ def scale_by_lazy_adam(
             [("state.mu_nu", state.mu_nu, 2)],
             method=coalesce_method,
             max_distinct=max_distinct,
+            stochastic_rounding=stochastic_rounding,
             # The kernel also takes 1 - b1 and 1 - b2 as the XLA rule makes
             # them (in Python's float64 for float hyperparameters).
             native=Native(spec, (*hp, 1 - b1, 1 - b2), refuse=refuse),
