@@ -66,6 +66,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _errors
+from .._jax_compat import native_out_aval
+from ..kernels._primitive import NativeOp
 from ._raw import RawIds, as_raw_ids
 
 __all__ = ["ManagedCollision", "RemapState"]
@@ -265,29 +267,37 @@ class ManagedCollision:
           3
         """
         S, K = self.num_slots, self.recent_capacity
-        zeros_u = jnp.zeros((S,), jnp.uint32)
-        zeros_i = jnp.zeros((S,), jnp.int32)
-        scalar = jnp.zeros((), jnp.int32)
+
+        # a buffer per field: a state can be donated to a jitted step
+        def zeros_u(n):
+            return jnp.zeros((n,), jnp.uint32)
+
+        def zeros_i(n):
+            return jnp.zeros((n,), jnp.int32)
+
+        def scalar():
+            return jnp.zeros((), jnp.int32)
+
         return RemapState(
             table_key=jnp.asarray(self.table_key),
-            ids_hi=zeros_u,
-            ids_lo=zeros_u,
+            ids_hi=zeros_u(S),
+            ids_lo=zeros_u(S),
             occupied=jnp.zeros((S,), bool),
-            counts=zeros_i,
-            last_seen=zeros_i,
-            sorted_hi=zeros_u,
-            sorted_lo=zeros_u,
-            sorted_slots=zeros_i,
-            recent_hi=jnp.zeros((K,), jnp.uint32),
-            recent_lo=jnp.zeros((K,), jnp.uint32),
-            recent_slots=jnp.zeros((K,), jnp.int32),
-            num_recent=scalar,
+            counts=zeros_i(S),
+            last_seen=zeros_i(S),
+            sorted_hi=zeros_u(S),
+            sorted_lo=zeros_u(S),
+            sorted_slots=zeros_i(S),
+            recent_hi=zeros_u(K),
+            recent_lo=zeros_u(K),
+            recent_slots=zeros_i(K),
+            num_recent=scalar(),
             free_slots=jnp.arange(S - 1, -1, -1, dtype=jnp.int32),  # 0 first
             num_free=jnp.asarray(S, jnp.int32),
-            step=scalar,
-            admissions=scalar,
-            evictions=scalar,
-            defaulted=scalar,
+            step=scalar(),
+            admissions=scalar(),
+            evictions=scalar(),
+            defaulted=scalar(),
         )
 
     def check_state(self, state: Any, where: str) -> RemapState:
@@ -414,9 +424,26 @@ def _remap(
 
 @functools.partial(jax.jit, static_argnums=0)
 def _evict(mc: ManagedCollision, state: RemapState) -> tuple[RemapState, jax.Array]:
-    S, E = mc.num_slots, mc.evict_count
+    """Evict now; the native kernel on one CPU device (bitwise equal)."""
+    outs = _EVICT_OP.bind(
+        *(getattr(state, f) for f in _EVICT_FIELDS),
+        _scalars(state),
+        lfu=mc.policy == "lfu",
+        evict_count=mc.evict_count,
+        fallback=None,
+    )
+    evicted, *arrays, scalars = outs
+    return _with_scalars(
+        state._replace(**dict(zip(_EVICT_FIELDS, arrays, strict=True))), scalars
+    ), evicted
+
+
+def _evict_xla(
+    state: RemapState, policy: str, evict_count: int
+) -> tuple[RemapState, jax.Array]:
+    S, E = state.num_slots, evict_count
     need = jnp.maximum(E - state.num_free, 0)
-    if mc.policy == "lfu":
+    if policy == "lfu":
         first, then = state.counts, state.last_seen
     else:
         first, then = state.last_seen, state.counts
@@ -653,7 +680,7 @@ def _admit_exact(group, hi, lo, valid, found, place, num_free, free_slots):
     return rows, hi_s, lo_s, assigned, place, rank
 
 
-def _lookup_and_admit(
+def _lookup_and_admit_xla(
     state: RemapState, hi: jax.Array, lo: jax.Array, valid: jax.Array
 ) -> tuple[jax.Array, RemapState]:
     S, K = state.num_slots, state.recent_slots.shape[0]
@@ -786,3 +813,103 @@ def _compact(state: RemapState, n_main_old: jax.Array) -> RemapState:
         recent_slots=recent[2],
         num_recent=num_recent,
     )
+
+
+# ------------------------------------------------- the native CPU kernels
+#
+# Admission and eviction are two native ops (jaxslices.kernels: a C++ kernel
+# on one CPU device, csrc/remap.cc, the functions above everywhere else, as
+# their reference): the same state bit for bit, updated in place.
+
+_SCALARS = ("num_free", "num_recent", "step", "admissions", "defaulted", "evictions")
+_ADMIT_FIELDS = (
+    "ids_hi", "ids_lo", "occupied", "counts", "last_seen",
+    "sorted_hi", "sorted_lo", "sorted_slots", "recent_hi", "recent_lo", "recent_slots",
+)  # fmt: skip
+_EVICT_FIELDS = (*_ADMIT_FIELDS, "free_slots")
+
+
+def _scalars(state: RemapState) -> jax.Array:
+    return jnp.stack([jnp.asarray(getattr(state, f), jnp.int32) for f in _SCALARS])
+
+
+def _with_scalars(state: RemapState, scalars: jax.Array) -> RemapState:
+    return state._replace(**{f: scalars[i] for i, f in enumerate(_SCALARS)})
+
+
+def _as_state(arrays: dict[str, jax.Array], scalars: jax.Array) -> RemapState:
+    fields = dict.fromkeys(RemapState._fields)
+    fields.update(arrays, table_key=jnp.zeros((2,), jnp.uint32))
+    return _with_scalars(RemapState(**fields), scalars)
+
+
+def _admit_reference(hi, lo, valid, *arrays, **_):
+    *per_slot, free_slots, scalars = arrays
+    state = _as_state(
+        {**dict(zip(_ADMIT_FIELDS, per_slot, strict=True)), "free_slots": free_slots},
+        scalars,
+    )
+    rows, state = _lookup_and_admit_xla(state, hi, lo, valid)
+    return [rows, *(getattr(state, f) for f in _ADMIT_FIELDS), _scalars(state)]
+
+
+def _evict_reference(*arrays, lfu, evict_count, **_):
+    *per_slot, scalars = arrays
+    state = _as_state(dict(zip(_EVICT_FIELDS, per_slot, strict=True)), scalars)
+    state, evicted = _evict_xla(state, "lfu" if lfu else "lru", evict_count)
+    return [evicted, *(getattr(state, f) for f in _EVICT_FIELDS), _scalars(state)]
+
+
+def _admit_abstract(hi, lo, valid, *arrays, **_):
+    avals = (hi, lo, valid, *arrays)
+    per_slot = arrays[: len(_ADMIT_FIELDS)]
+    return [
+        native_out_aval(hi.shape, jnp.int32, avals),
+        *(native_out_aval(a.shape, a.dtype, avals) for a in per_slot),
+        native_out_aval(arrays[-1].shape, jnp.int32, avals),
+    ]
+
+
+def _evict_abstract(*arrays, evict_count, **_):
+    return [
+        native_out_aval((evict_count,), jnp.int32, arrays),
+        *(native_out_aval(a.shape, a.dtype, arrays) for a in arrays),
+    ]
+
+
+_ADMIT_OP = NativeOp(
+    "jaxslices_managed_admit",
+    _admit_reference,
+    _admit_abstract,
+    # operand i -> output i - 2: the per-slot arrays and the scalars in place
+    aliases={i: i - 2 for i in range(3, 3 + len(_ADMIT_FIELDS))} | {15: 12},
+    attrs={},
+    ids_operand=10,  # sorted_slots, int32: the kernel's one registration
+)
+_EVICT_OP = NativeOp(
+    "jaxslices_managed_evict",
+    _evict_reference,
+    _evict_abstract,
+    aliases={i: i + 1 for i in range(len(_EVICT_FIELDS) + 1)},
+    attrs={"lfu": np.bool_},
+    ids_operand=7,
+)
+
+
+def _lookup_and_admit(
+    state: RemapState, hi: jax.Array, lo: jax.Array, valid: jax.Array
+) -> tuple[jax.Array, RemapState]:
+    """Look up and admit; the native kernel on one CPU device (bitwise equal)."""
+    if hi.shape[0] == 0:
+        return jnp.zeros((0,), jnp.int32), state
+    rows, *arrays, scalars = _ADMIT_OP.bind(
+        hi,
+        lo,
+        valid,
+        *(getattr(state, f) for f in _ADMIT_FIELDS),
+        state.free_slots,
+        _scalars(state),
+        fallback=None,
+    )
+    state = state._replace(**dict(zip(_ADMIT_FIELDS, arrays, strict=True)))
+    return rows, _with_scalars(state, scalars)
