@@ -9,8 +9,8 @@
 // and merged into the small copy, which is merged into the main copy first
 // when the batch might not fit in it (or, for a batch of more than K ids,
 // they go to the main copy). Eviction ("evict"): the `need` occupied slots
-// lowest by (first score, second score, slot), found with histograms of the
-// scores' 16 high and 15 low bits, are freed, and both copies compacted.
+// lowest by (first score, second score, slot), found from a sample's
+// threshold and one pass over the slots, are freed, and both copies compacted.
 // Every merge and compaction is in place: a donated state is never copied.
 #include <algorithm>
 
@@ -272,31 +272,52 @@ static ffi::Error AdmitImpl(
 
 namespace {
 
-// The k-th smallest (k >= 1) of x[s] over the candidate slots (non-negative
-// int32 values): a histogram of the 16 high bits, then of the 15 low bits
-// within the high bucket that holds it. Returns the value.
-template <typename Candidate>
-int32_t KthSmallest(const int32_t* x, int64_t S, int64_t k, Candidate candidate) {
-  static thread_local std::vector<int64_t> hist;
-  hist.assign(1 << 16, 0);
-  for (int64_t s = 0; s < S; ++s) {
-    if (candidate(s)) ++hist[static_cast<uint32_t>(x[s]) >> 15];
+// A slot's eviction key: (first score, second score, slot), all below 2**31,
+// as one 128-bit integer: every key distinct, ordered as the policy orders.
+using Key = unsigned __int128;
+inline Key EvictionKey(int32_t first, int32_t then, int64_t slot) {
+  return (static_cast<Key>(static_cast<uint32_t>(first)) << 62) |
+         (static_cast<Key>(static_cast<uint32_t>(then)) << 31) | static_cast<Key>(slot);
+}
+
+// The `need` occupied slots of lowest key, in increasing slot order, into
+// `out`. A threshold from a sample of the slots (about 16k keys) bounds the
+// candidates; one pass collects the keys below it (about twice `need`), and
+// a selection among them gives the exact answer (all keys if the sample's
+// threshold was too low: never wrong, only slower).
+void Lowest(const int32_t* first, const int32_t* then, const bool* occ, int64_t S,
+            int64_t occupied, int64_t need, int32_t* out) {
+  static thread_local std::vector<Key> sample, candidates;
+  const Key all = ~static_cast<Key>(0);
+  Key bound = all;
+  if (need < occupied) {
+    const int64_t stride = std::max<int64_t>(1, S / 16384);
+    sample.clear();
+    for (int64_t s = 0; s < S; s += stride) {
+      if (occ[s]) sample.push_back(EvictionKey(first[s], then[s], s));
+    }
+    const double share = static_cast<double>(need) / static_cast<double>(occupied);
+    const int64_t q = static_cast<int64_t>(1.5 * share * sample.size()) + 16;
+    if (q < static_cast<int64_t>(sample.size())) {
+      std::nth_element(sample.begin(), sample.begin() + q, sample.end());
+      bound = sample[q];
+    }
   }
-  int64_t top = 0, below = 0;
-  for (; top < (1 << 16); ++top) {
-    if (below + hist[top] >= k) break;
-    below += hist[top];
+  for (int pass = 0; pass < 2; ++pass) {
+    candidates.clear();
+    for (int64_t s = 0; s < S; ++s) {
+      if (!occ[s]) continue;
+      Key k = EvictionKey(first[s], then[s], s);
+      if (k <= bound) candidates.push_back(k);
+    }
+    if (static_cast<int64_t>(candidates.size()) >= need) break;
+    bound = all;  // the sample's threshold was too low: every key
   }
-  hist.assign(1 << 15, 0);
-  for (int64_t s = 0; s < S; ++s) {
-    if (candidate(s) && (static_cast<uint32_t>(x[s]) >> 15) == top) ++hist[x[s] & 0x7FFF];
+  std::nth_element(candidates.begin(), candidates.begin() + (need - 1), candidates.end());
+  for (int64_t r = 0; r < need; ++r) {
+    out[r] = static_cast<int32_t>(candidates[r] & 0x7FFFFFFF);
   }
-  int64_t low = 0;
-  for (; low < (1 << 15); ++low) {
-    if (below + hist[low] >= k) break;
-    below += hist[low];
-  }
-  return static_cast<int32_t>((top << 15) | low);
+  std::sort(out, out + need);
 }
 
 }  // namespace
@@ -344,23 +365,7 @@ static ffi::Error EvictImpl(
   const int64_t need = std::max<int64_t>(E - num_free, 0);
   if (need == 0) return ffi::Error::Success();
 
-  const int32_t* first = lfu ? cnt : last;
-  const int32_t* then = lfu ? last : cnt;
-  const int32_t t1 = KthSmallest(first, S, need, [&](int64_t s) { return occ[s]; });
-  int64_t below1 = 0;
-  for (int64_t s = 0; s < S; ++s) below1 += occ[s] && first[s] < t1;
-  const int64_t k2 = need - below1;
-  const int32_t t2 = KthSmallest(then, S, k2, [&](int64_t s) { return occ[s] && first[s] == t1; });
-  int64_t below2 = 0;
-  for (int64_t s = 0; s < S; ++s) below2 += occ[s] && first[s] == t1 && then[s] < t2;
-  int64_t ties = need - below1 - below2;  // at both thresholds: the lowest slots
-  int64_t e = 0;
-  for (int64_t s = 0; s < S && e < need; ++s) {
-    if (!occ[s]) continue;
-    bool go = first[s] < t1 || (first[s] == t1 && then[s] < t2);
-    if (!go && first[s] == t1 && then[s] == t2 && ties > 0) go = true, --ties;
-    if (go) evicted[e++] = static_cast<int32_t>(s);
-  }
+  Lowest(lfu ? cnt : last, lfu ? last : cnt, occ, S, S - num_free, need, evicted);
   for (int64_t r = 0; r < need; ++r) {
     int32_t s = evicted[r];
     occ[s] = false, ih[s] = 0, il[s] = 0, cnt[s] = 0, last[s] = 0;
