@@ -46,7 +46,9 @@ import jax
 
 __all__ = ["KernelsUnavailableWarning", "library_path", "load", "reason", "status"]
 
-SOURCES = ("common.h", "parallel.h", "bag.cc", "rowwise.cc", "apply.cc", "pool.cc")
+SOURCES = (
+    "common.h", "parallel.h", "bag.cc", "rowwise.cc", "apply.cc", "pool.cc", "remap.cc"
+)  # fmt: skip
 # FFI target name -> exported handler symbol: each kernel once per ids dtype.
 TARGETS = {
     f"jaxslices_{kernel}_{ids}": f"Jaxslices{symbol}{ids.upper()}"
@@ -58,6 +60,9 @@ TARGETS = {
     for ids in ("s32", "s64")
 }
 TARGETS["jaxslices_pool_threads"] = "JaxslicesPoolThreads"
+# The managed-collision remap (jaxslices/managed/_table.py): int32 only.
+TARGETS["jaxslices_managed_admit_s32"] = "JaxslicesManagedAdmitS32"
+TARGETS["jaxslices_managed_evict_s32"] = "JaxslicesManagedEvictS32"
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 

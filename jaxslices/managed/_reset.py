@@ -105,13 +105,21 @@ def reset_rows(
         jnp.asarray(new_rows, table.dtype), (E, *table.shape[1:])
     )
     leaves = list(leaves)
-    leaves[i] = table.at[rows].set(fresh_rows, mode="drop")
-    new_params = jax.tree_util.tree_unflatten(treedef, leaves)
-    if optimizer is None or opt_state is None or E == 0:
-        return new_params, opt_state
-    return new_params, _reset_state(
-        optimizer, opt_state, leaves, treedef, i, rows, fresh_rows, V, name
+
+    def reset(table, opt_state):
+        leaves[i] = table.at[rows].set(fresh_rows, mode="drop")
+        if optimizer is None or opt_state is None or E == 0:
+            return leaves[i], opt_state
+        return leaves[i], _reset_state(
+            optimizer, opt_state, leaves, treedef, i, rows, fresh_rows, V, name
+        )
+
+    # A step that evicted nothing skips the E-row scatters (a lax.cond: the
+    # table and its state pass through in place).
+    leaves[i], opt_state = jax.lax.cond(
+        jnp.any(rows < V), reset, lambda t, s: (t, s), table, opt_state
     )
+    return jax.tree_util.tree_unflatten(treedef, leaves), opt_state
 
 
 def _reset_state(optimizer, opt_state, leaves, treedef, i, rows, fresh_rows, V, name):

@@ -66,6 +66,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _errors
+from .._jax_compat import native_out_aval
+from ..kernels._primitive import NativeOp
 from ._raw import RawIds, as_raw_ids
 
 __all__ = ["ManagedCollision", "RemapState"]
@@ -89,9 +91,16 @@ class RemapState(NamedTuple):
       occupied: ``bool[S]``.
       counts: ``int32[S]``, lookups of the slot's id since its admission.
       last_seen: ``int32[S]``, the ``step`` of its last lookup.
-      sorted_hi, sorted_lo, sorted_slots: the tracked ids sorted by low
-        word, then high word, and their slots, in the first ``occupancy``
-        entries: what a lookup searches.
+      sorted_hi, sorted_lo, sorted_slots: ``[S]``, the *main* sorted copy:
+        tracked ids sorted by low word, then high word, and their slots, in
+        the first ``occupancy - num_recent`` entries (zeros after them).
+      recent_hi, recent_lo, recent_slots: ``[K]`` (``K`` the table's
+        ``recent_size``), the ids admitted since the last flush, sorted the
+        same way, in the first ``num_recent`` entries (zeros after them).
+        A lookup searches both copies; admissions go into this small one
+        (``O(K)``), which is merged into the main copy (``O(S)``) only when
+        a batch might not fit in it.
+      num_recent: ``int32``, the entries of the recent copy.
       free_slots: ``int32[S]``, a stack: the free slots are
         ``free_slots[:num_free]``, the next one admitted is the last.
       num_free: ``int32``, free slots.
@@ -110,6 +119,10 @@ class RemapState(NamedTuple):
     sorted_hi: jax.Array
     sorted_lo: jax.Array
     sorted_slots: jax.Array
+    recent_hi: jax.Array
+    recent_lo: jax.Array
+    recent_slots: jax.Array
+    num_recent: jax.Array
     free_slots: jax.Array
     num_free: jax.Array
     step: jax.Array
@@ -165,6 +178,13 @@ class ManagedCollision:
         (``None``: only on demand, :meth:`evict`).
       evict_count: the free slots an eviction makes available (``E``): it
         evicts ``max(0, E - free)`` ids. ``1 <= E <= num_slots``.
+      recent_size: ``K``, the entries of the small sorted copy that takes
+        admissions before they are merged into the main one (``None``:
+        ``min(num_slots, 64 * isqrt(num_slots))``, 65536 at ``2**20``
+        slots). A call of :meth:`remap` with ``N`` ids merges the small copy
+        into the main one first when it holds more than ``K - N``; with
+        ``N > K`` every admission goes to the main copy (``O(S)``). Only
+        the speed depends on it, never the rows.
 
     Raises:
       ValueError: ``num_slots`` < 1 or above ``2**31 - 2``, an unknown
@@ -184,6 +204,7 @@ class ManagedCollision:
     policy: Policy = "lfu"
     evict_every: int | None = None
     evict_count: int = 1
+    recent_size: int | None = None
 
     def __post_init__(self):
         where = f"ManagedCollision({self.name!r})"
@@ -213,6 +234,21 @@ class ManagedCollision:
                 f"num_slots={self.num_slots}. Give 1 <= evict_count <= num_slots "
                 "(evict_count is how many slots an eviction frees for new ids)."
             )
+        if self.recent_size is not None and (
+            not _is_int(self.recent_size) or self.recent_size < 1
+        ):
+            raise ValueError(
+                f"{where}: `recent_size` must be a positive int (entries of the "
+                f"small sorted copy of recent admissions) or None (the default), "
+                f"got {self.recent_size!r}."
+            )
+
+    @property
+    def recent_capacity(self) -> int:
+        """``K``: the entries of the recent sorted copy (static)."""
+        if self.recent_size is not None:
+            return min(self.num_slots, int(self.recent_size))
+        return min(self.num_slots, 64 * math.isqrt(self.num_slots))
 
     # -- the state ------------------------------------------------------------
     @property
@@ -230,26 +266,38 @@ class ManagedCollision:
           >>> js.ManagedCollision("t", num_slots=3).init().num_free.item()
           3
         """
-        S = self.num_slots
-        zeros_u = jnp.zeros((S,), jnp.uint32)
-        zeros_i = jnp.zeros((S,), jnp.int32)
-        scalar = jnp.zeros((), jnp.int32)
+        S, K = self.num_slots, self.recent_capacity
+
+        # a buffer per field: a state can be donated to a jitted step
+        def zeros_u(n):
+            return jnp.zeros((n,), jnp.uint32)
+
+        def zeros_i(n):
+            return jnp.zeros((n,), jnp.int32)
+
+        def scalar():
+            return jnp.zeros((), jnp.int32)
+
         return RemapState(
             table_key=jnp.asarray(self.table_key),
-            ids_hi=zeros_u,
-            ids_lo=zeros_u,
+            ids_hi=zeros_u(S),
+            ids_lo=zeros_u(S),
             occupied=jnp.zeros((S,), bool),
-            counts=zeros_i,
-            last_seen=zeros_i,
-            sorted_hi=zeros_u,
-            sorted_lo=zeros_u,
-            sorted_slots=jnp.arange(S, dtype=jnp.int32),
+            counts=zeros_i(S),
+            last_seen=zeros_i(S),
+            sorted_hi=zeros_u(S),
+            sorted_lo=zeros_u(S),
+            sorted_slots=zeros_i(S),
+            recent_hi=zeros_u(K),
+            recent_lo=zeros_u(K),
+            recent_slots=zeros_i(K),
+            num_recent=scalar(),
             free_slots=jnp.arange(S - 1, -1, -1, dtype=jnp.int32),  # 0 first
             num_free=jnp.asarray(S, jnp.int32),
-            step=scalar,
-            admissions=scalar,
-            evictions=scalar,
-            defaulted=scalar,
+            step=scalar(),
+            admissions=scalar(),
+            evictions=scalar(),
+            defaulted=scalar(),
         )
 
     def check_state(self, state: Any, where: str) -> RemapState:
@@ -264,11 +312,17 @@ class ManagedCollision:
                 f"({self.name!r}).init(), got {type(state).__name__}."
             )
         S = self.num_slots
-        if state.occupied.shape != (S,) or tuple(state.table_key.shape) != (2,):
+        K = self.recent_capacity
+        if (
+            state.occupied.shape != (S,)
+            or tuple(state.table_key.shape) != (2,)
+            or state.recent_slots.shape != (K,)
+        ):
             raise ValueError(
                 f"{where}: the state is not one of table {self.name!r}: it has "
                 f"{state.occupied.shape[0] if state.occupied.ndim else '?'} slots, "
-                f"the table {S}. Use the state this table's init() made."
+                f"the table {S} (recent copy: {state.recent_slots.shape}, the "
+                f"table ({K},)). Use the state this table's init() made."
             )
         mine = self.table_key
         other = jnp.any(jnp.asarray(state.table_key) != jnp.asarray(mine))
@@ -370,9 +424,26 @@ def _remap(
 
 @functools.partial(jax.jit, static_argnums=0)
 def _evict(mc: ManagedCollision, state: RemapState) -> tuple[RemapState, jax.Array]:
-    S, E = mc.num_slots, mc.evict_count
+    """Evict now; the native kernel on one CPU device (bitwise equal)."""
+    outs = _EVICT_OP.bind(
+        *(getattr(state, f) for f in _EVICT_FIELDS),
+        _scalars(state),
+        lfu=mc.policy == "lfu",
+        evict_count=mc.evict_count,
+        fallback=None,
+    )
+    evicted, *arrays, scalars = outs
+    return _with_scalars(
+        state._replace(**dict(zip(_EVICT_FIELDS, arrays, strict=True))), scalars
+    ), evicted
+
+
+def _evict_xla(
+    state: RemapState, policy: str, evict_count: int
+) -> tuple[RemapState, jax.Array]:
+    S, E = state.num_slots, evict_count
     need = jnp.maximum(E - state.num_free, 0)
-    if mc.policy == "lfu":
+    if policy == "lfu":
         first, then = state.counts, state.last_seen
     else:
         first, then = state.last_seen, state.counts
@@ -394,27 +465,29 @@ def _evict(mc: ManagedCollision, state: RemapState) -> tuple[RemapState, jax.Arr
         num_free=state.num_free + need,
         evictions=_saturating_add(state.evictions, need),
     )
-    n_old = S - state.num_free + need
-    state = jax.lax.cond(need > 0, _compact_sorted, lambda s, n: s, state, n_old)
+    n_main_old = S - state.num_free + need - state.num_recent
+    state = jax.lax.cond(need > 0, _compact, lambda s, n: s, state, n_main_old)
     return state, evicted
 
 
-def _kth_smallest(x: jax.Array, k: jax.Array, bits: int) -> jax.Array:
-    """The ``k``-th smallest of non-negative ``x < 2**bits`` (``k >= 1``).
+def _kth_smallest(x: jax.Array, k: jax.Array, candidate: jax.Array) -> jax.Array:
+    """The ``k``-th smallest of the candidates of ``x`` (``1 <= k <=`` their
+    number; non-negative ``int32``).
 
-    A binary search on the value: ``bits`` passes of a count over ``x``,
-    ``O(S)`` each, no sort (a sort of ``2**20`` slots costs about 1 s on
-    XLA's CPU).
+    A binary search on the value between the candidates' least and greatest:
+    ``log2(range) + 2`` passes of a count over ``x``, ``O(S)`` each, no sort
+    (a sort of ``2**20`` slots costs about 1 s on XLA's CPU).
     """
+    low = jnp.min(jnp.where(candidate, x, _INT32_MAX))
+    high = jnp.max(jnp.where(candidate, x, 0))
 
-    def body(_, bounds):
+    def body(bounds):
         low, high = bounds
         mid = low + (high - low) // 2
-        enough = jnp.sum(x <= mid, dtype=jnp.int32) >= k
+        enough = jnp.sum(candidate & (x <= mid), dtype=jnp.int32) >= k
         return jnp.where(enough, low, mid + 1), jnp.where(enough, mid, high)
 
-    top = jnp.int32(min(2**bits - 1, _INT32_MAX))
-    low, _ = jax.lax.fori_loop(0, bits, body, (jnp.int32(0), top))
+    low, _ = jax.lax.while_loop(lambda b: b[0] < b[1], body, (low, high))
     return low
 
 
@@ -429,15 +502,14 @@ def _lowest(
     """
     S = occupied.shape[0]
     k = jnp.maximum(need, 1)
-    t1 = _kth_smallest(jnp.where(occupied, first, _INT32_MAX), k, 31)
+    t1 = _kth_smallest(first, k, occupied)
     below1, at1 = occupied & (first < t1), occupied & (first == t1)
     k2 = k - jnp.sum(below1, dtype=jnp.int32)
-    t2 = _kth_smallest(jnp.where(at1, then, _INT32_MAX), k2, 31)
+    t2 = _kth_smallest(then, k2, at1)
     below2, at2 = at1 & (then < t2), at1 & (then == t2)
     k3 = k2 - jnp.sum(below2, dtype=jnp.int32)
     slot = jnp.arange(S, dtype=jnp.int32)
-    bits = max(1, (S - 1).bit_length())
-    t3 = _kth_smallest(jnp.where(at2, slot, 2**bits - 1), k3, bits)
+    t3 = _kth_smallest(slot, k3, at2)
     chosen = below1 | below2 | (at2 & (slot <= t3))
     return chosen & (need > 0)
 
@@ -469,28 +541,67 @@ def _less(al, ah, bl, bh):
 
 
 def _search(
-    state: RemapState, hi: jax.Array, lo: jax.Array
+    copy: tuple[jax.Array, jax.Array, jax.Array],
+    n: jax.Array,
+    hi: jax.Array,
+    lo: jax.Array,
+    missing: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """Each id's slot (``S`` if not tracked) and its place in the sorted copy."""
-    S = state.num_slots
-    n = S - state.num_free
+    """Each id's slot in a sorted copy of ``n`` entries (``missing`` if absent)
+    and its place there (the first entry not below it)."""
+    sorted_hi, sorted_lo, sorted_slots = copy
+    L = sorted_hi.shape[0]
     low = jnp.zeros(hi.shape, jnp.int32)
     high = jnp.broadcast_to(n, hi.shape).astype(jnp.int32)
 
     def body(_, bounds):
         low, high = bounds
         mid = (low + high) // 2
-        m = jnp.minimum(mid, S - 1)
-        go_right = (low < high) & _less(state.sorted_lo[m], state.sorted_hi[m], lo, hi)
+        m = jnp.minimum(mid, L - 1)
+        go_right = (low < high) & _less(sorted_lo[m], sorted_hi[m], lo, hi)
         return (
             jnp.where(go_right, mid + 1, low),
             jnp.where(go_right | (low >= high), high, mid),
         )
 
-    low, _ = jax.lax.fori_loop(0, math.ceil(math.log2(S + 1)), body, (low, high))
-    at = jnp.minimum(low, S - 1)
-    hit = (low < n) & (state.sorted_hi[at] == hi) & (state.sorted_lo[at] == lo)
-    return jnp.where(hit, state.sorted_slots[at], S), low
+    low, _ = jax.lax.fori_loop(0, math.ceil(math.log2(L + 1)), body, (low, high))
+    at = jnp.minimum(low, L - 1)
+    hit = (low < n) & (sorted_hi[at] == hi) & (sorted_lo[at] == lo)
+    return jnp.where(hit, sorted_slots[at], missing), low
+
+
+def _main(state: RemapState) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return state.sorted_hi, state.sorted_lo, state.sorted_slots
+
+
+def _recent(state: RemapState) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return state.recent_hi, state.recent_lo, state.recent_slots
+
+
+def _num_main(state: RemapState) -> jax.Array:
+    return state.num_slots - state.num_free - state.num_recent
+
+
+def _flush(state: RemapState) -> RemapState:
+    """The recent copy merged into the main one (``O(S)``), then emptied."""
+    S, K = state.num_slots, state.recent_slots.shape[0]
+    n_main = _num_main(state)
+    _, place = _search(_main(state), n_main, state.recent_hi, state.recent_lo, S)
+    rank = jnp.arange(K, dtype=jnp.int32)
+    slots = jnp.where(rank < state.num_recent, state.recent_slots, S)
+    merged = _merge_sorted(
+        _main(state), n_main, (state.recent_hi, state.recent_lo, slots, place, rank), S
+    )
+    zeros_u, zeros_i = jnp.zeros((K,), jnp.uint32), jnp.zeros((K,), jnp.int32)
+    return state._replace(
+        sorted_hi=merged[0],
+        sorted_lo=merged[1],
+        sorted_slots=merged[2],
+        recent_hi=zeros_u,
+        recent_lo=zeros_u,
+        recent_slots=zeros_i,
+        num_recent=jnp.zeros((), jnp.int32),
+    )
 
 
 def _groups_by_low_word(
@@ -569,14 +680,22 @@ def _admit_exact(group, hi, lo, valid, found, place, num_free, free_slots):
     return rows, hi_s, lo_s, assigned, place, rank
 
 
-def _lookup_and_admit(
+def _lookup_and_admit_xla(
     state: RemapState, hi: jax.Array, lo: jax.Array, valid: jax.Array
 ) -> tuple[jax.Array, RemapState]:
-    S = state.num_slots
+    S, K = state.num_slots, state.recent_slots.shape[0]
     N = hi.shape[0]
     if N == 0:
         return jnp.zeros((0,), jnp.int32), state
-    found, place = _search(state, hi, lo)
+    # Admissions go to the recent copy when the whole batch would fit there
+    # (static: N <= K), after a flush if it might not; else to the main copy.
+    into_recent = N <= K
+    full = state.num_recent + N > K if into_recent else state.num_recent > 0
+    state = jax.lax.cond(full, _flush, lambda s: s, state)
+    found, place = _search(_main(state), _num_main(state), hi, lo, S)
+    if into_recent:
+        in_recent, place = _search(_recent(state), state.num_recent, hi, lo, S)
+        found = jnp.where(in_recent < S, in_recent, found)
     group, mixed = _groups_by_low_word(hi, lo, valid)
     rows, hi_s, lo_s, assigned, place, rank = jax.lax.cond(
         mixed,
@@ -587,13 +706,24 @@ def _lookup_and_admit(
     admitted = assigned < S
 
     n_admitted = jnp.sum(admitted, dtype=jnp.int32)
-    num_free_before = state.num_free
     target = jnp.where(admitted, assigned, S)  # admitted ids' slots, else dropped
     counts = state.counts.at[target].set(0, mode="drop")
     before = counts.at[rows].get(mode="fill", fill_value=0)
     counts = counts.at[rows].add(1, mode="drop")
     wrapped = counts.at[rows].get(mode="fill", fill_value=0) < before
     counts = counts.at[jnp.where(wrapped, rows, S)].set(_INT32_MAX, mode="drop")
+    new = (hi_s, lo_s, assigned, place, rank)
+    if into_recent:
+        copy, n_old = _recent(state), state.num_recent
+    else:
+        copy, n_old = _main(state), _num_main(state)
+    copy = jax.lax.cond(
+        n_admitted > 0,
+        lambda c: _merge_sorted(c, n_old, new, S),
+        lambda c: c,
+        copy,
+    )
+    fields = ("recent" if into_recent else "sorted") + "_{}"
     state = state._replace(
         ids_hi=state.ids_hi.at[target].set(hi_s, mode="drop"),
         ids_lo=state.ids_lo.at[target].set(lo_s, mode="drop"),
@@ -601,14 +731,12 @@ def _lookup_and_admit(
         counts=counts,
         last_seen=state.last_seen.at[rows].set(state.step, mode="drop"),
         num_free=state.num_free - n_admitted,
+        num_recent=state.num_recent + (n_admitted if into_recent else 0),
         admissions=_saturating_add(state.admissions, n_admitted),
         defaulted=_saturating_add(
             state.defaulted, jnp.sum(valid & (rows == S), dtype=jnp.int32)
         ),
-    )
-    merge = functools.partial(_merge_sorted, new=(hi_s, lo_s, assigned, place, rank))
-    state = jax.lax.cond(
-        n_admitted > 0, merge, lambda s, old: s, state, S - num_free_before
+        **dict(zip(map(fields.format, ("hi", "lo", "slots")), copy, strict=True)),
     )
     return rows, state
 
@@ -618,49 +746,170 @@ def _prefix_sum(x: jax.Array) -> jax.Array:
     return jax.lax.associative_scan(jnp.add, x)
 
 
-def _merge_sorted(state: RemapState, n_old: jax.Array, new: tuple) -> RemapState:
-    """The admitted ids merged into the sorted copy: O(S), no sort.
+def _merge_sorted(
+    copy: tuple[jax.Array, jax.Array, jax.Array],
+    n_old: jax.Array,
+    new: tuple,
+    S: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Admitted ids merged into a sorted copy of ``n_old`` entries: O(L), no sort.
 
-    ``new``: the batch's sorted ids, their slots (``S`` where not admitted),
-    their insertion places in the old copy and their ranks among the
-    admitted. An old entry ``j`` moves up by the number of admitted ids
-    placed at or before it; admitted id ``r`` goes to ``place + r``.
+    ``new``: ids, their slots (``S`` where not admitted), their insertion
+    places in the old copy and their ranks among the admitted. An old entry
+    ``j`` moves up by the number of admitted ids placed at or before it;
+    admitted id ``r`` goes to ``place + r``.
     """
     hi, lo, slots, place, rank = new
-    S = state.num_slots
+    L = copy[0].shape[0]
     admitted = slots < S
     per_place = (
-        jnp.zeros((S + 1,), jnp.int32)
-        .at[jnp.where(admitted, place, S + 1)]
+        jnp.zeros((L + 1,), jnp.int32)
+        .at[jnp.where(admitted, place, L + 1)]
         .add(1, mode="drop")
     )
-    j = jnp.arange(S, dtype=jnp.int32)
-    old_to = jnp.where(j < n_old, j + _prefix_sum(per_place)[:S], S)
-    new_to = jnp.where(admitted, place + rank, S)
+    j = jnp.arange(L, dtype=jnp.int32)
+    old_to = jnp.where(j < n_old, j + _prefix_sum(per_place)[:L], L)
+    new_to = jnp.where(admitted, place + rank, L)
 
     def merged(old: jax.Array, added: jax.Array) -> jax.Array:
         out = jnp.zeros_like(old).at[old_to].set(old, mode="drop", unique_indices=True)
-        return out.at[new_to].set(added, mode="drop")
+        return out.at[new_to].set(added.astype(old.dtype), mode="drop")
 
-    return state._replace(
-        sorted_hi=merged(state.sorted_hi, hi),
-        sorted_lo=merged(state.sorted_lo, lo),
-        sorted_slots=merged(state.sorted_slots, slots),
-    )
+    return tuple(map(merged, copy, (hi, lo, slots)))
 
 
-def _compact_sorted(state: RemapState, n_old: jax.Array) -> RemapState:
-    """The sorted copy without the entries of freed slots: O(S), no sort."""
-    S = state.num_slots
-    j = jnp.arange(S, dtype=jnp.int32)
-    keep = (j < n_old) & state.occupied[state.sorted_slots]
-    to = jnp.where(keep, _prefix_sum(keep.astype(jnp.int32)) - 1, S)
+def _compact_sorted(
+    copy: tuple[jax.Array, jax.Array, jax.Array],
+    n_old: jax.Array,
+    occupied: jax.Array,
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """A sorted copy without the entries of freed slots: O(L), no sort.
+
+    Returns the copy and its new number of entries.
+    """
+    L = copy[0].shape[0]
+    j = jnp.arange(L, dtype=jnp.int32)
+    keep = (j < n_old) & occupied[copy[2]]
+    to = jnp.where(keep, _prefix_sum(keep.astype(jnp.int32)) - 1, L)
 
     def compact(x: jax.Array) -> jax.Array:
         return jnp.zeros_like(x).at[to].set(x, mode="drop", unique_indices=True)
 
-    return state._replace(
-        sorted_hi=compact(state.sorted_hi),
-        sorted_lo=compact(state.sorted_lo),
-        sorted_slots=compact(state.sorted_slots),
+    return tuple(map(compact, copy)), jnp.sum(keep, dtype=jnp.int32)
+
+
+def _compact(state: RemapState, n_main_old: jax.Array) -> RemapState:
+    """Both sorted copies without the entries of freed slots."""
+    main, _ = _compact_sorted(_main(state), n_main_old, state.occupied)
+    recent, num_recent = _compact_sorted(
+        _recent(state), state.num_recent, state.occupied
     )
+    return state._replace(
+        sorted_hi=main[0],
+        sorted_lo=main[1],
+        sorted_slots=main[2],
+        recent_hi=recent[0],
+        recent_lo=recent[1],
+        recent_slots=recent[2],
+        num_recent=num_recent,
+    )
+
+
+# ------------------------------------------------- the native CPU kernels
+#
+# Admission and eviction are two native ops (jaxslices.kernels: a C++ kernel
+# on one CPU device, csrc/remap.cc, the functions above everywhere else, as
+# their reference): the same state bit for bit, updated in place.
+
+_SCALARS = ("num_free", "num_recent", "step", "admissions", "defaulted", "evictions")
+_ADMIT_FIELDS = (
+    "ids_hi", "ids_lo", "occupied", "counts", "last_seen",
+    "sorted_hi", "sorted_lo", "sorted_slots", "recent_hi", "recent_lo", "recent_slots",
+)  # fmt: skip
+_EVICT_FIELDS = (*_ADMIT_FIELDS, "free_slots")
+
+
+def _scalars(state: RemapState) -> jax.Array:
+    return jnp.stack([jnp.asarray(getattr(state, f), jnp.int32) for f in _SCALARS])
+
+
+def _with_scalars(state: RemapState, scalars: jax.Array) -> RemapState:
+    return state._replace(**{f: scalars[i] for i, f in enumerate(_SCALARS)})
+
+
+def _as_state(arrays: dict[str, jax.Array], scalars: jax.Array) -> RemapState:
+    fields = dict.fromkeys(RemapState._fields)
+    fields.update(arrays, table_key=jnp.zeros((2,), jnp.uint32))
+    return _with_scalars(RemapState(**fields), scalars)
+
+
+def _admit_reference(hi, lo, valid, *arrays, **_):
+    *per_slot, free_slots, scalars = arrays
+    state = _as_state(
+        {**dict(zip(_ADMIT_FIELDS, per_slot, strict=True)), "free_slots": free_slots},
+        scalars,
+    )
+    rows, state = _lookup_and_admit_xla(state, hi, lo, valid)
+    return [rows, *(getattr(state, f) for f in _ADMIT_FIELDS), _scalars(state)]
+
+
+def _evict_reference(*arrays, lfu, evict_count, **_):
+    *per_slot, scalars = arrays
+    state = _as_state(dict(zip(_EVICT_FIELDS, per_slot, strict=True)), scalars)
+    state, evicted = _evict_xla(state, "lfu" if lfu else "lru", evict_count)
+    return [evicted, *(getattr(state, f) for f in _EVICT_FIELDS), _scalars(state)]
+
+
+def _admit_abstract(hi, lo, valid, *arrays, **_):
+    avals = (hi, lo, valid, *arrays)
+    per_slot = arrays[: len(_ADMIT_FIELDS)]
+    return [
+        native_out_aval(hi.shape, jnp.int32, avals),
+        *(native_out_aval(a.shape, a.dtype, avals) for a in per_slot),
+        native_out_aval(arrays[-1].shape, jnp.int32, avals),
+    ]
+
+
+def _evict_abstract(*arrays, evict_count, **_):
+    return [
+        native_out_aval((evict_count,), jnp.int32, arrays),
+        *(native_out_aval(a.shape, a.dtype, arrays) for a in arrays),
+    ]
+
+
+_ADMIT_OP = NativeOp(
+    "jaxslices_managed_admit",
+    _admit_reference,
+    _admit_abstract,
+    # operand i -> output i - 2: the per-slot arrays and the scalars in place
+    aliases={i: i - 2 for i in range(3, 3 + len(_ADMIT_FIELDS))} | {15: 12},
+    attrs={},
+    ids_operand=10,  # sorted_slots, int32: the kernel's one registration
+)
+_EVICT_OP = NativeOp(
+    "jaxslices_managed_evict",
+    _evict_reference,
+    _evict_abstract,
+    aliases={i: i + 1 for i in range(len(_EVICT_FIELDS) + 1)},
+    attrs={"lfu": np.bool_},
+    ids_operand=7,
+)
+
+
+def _lookup_and_admit(
+    state: RemapState, hi: jax.Array, lo: jax.Array, valid: jax.Array
+) -> tuple[jax.Array, RemapState]:
+    """Look up and admit; the native kernel on one CPU device (bitwise equal)."""
+    if hi.shape[0] == 0:
+        return jnp.zeros((0,), jnp.int32), state
+    rows, *arrays, scalars = _ADMIT_OP.bind(
+        hi,
+        lo,
+        valid,
+        *(getattr(state, f) for f in _ADMIT_FIELDS),
+        state.free_slots,
+        _scalars(state),
+        fallback=None,
+    )
+    state = state._replace(**dict(zip(_ADMIT_FIELDS, arrays, strict=True)))
+    return rows, _with_scalars(state, scalars)

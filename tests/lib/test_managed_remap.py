@@ -110,19 +110,26 @@ stream = st.lists(
 )
 
 
-@pytest.mark.parametrize("policy", ["lfu", "lru"])
+#: (policy, slots, recent copy, ids per call): batches straight into the main
+#: sorted copy (more ids than the recent copy holds), and through the recent
+#: copy with a flush every call or two
+MODEL_CONFIGS = [("lfu", 4, None, BATCH), ("lru", 4, None, BATCH), ("lru", 6, 5, 4)]
+
+
+@pytest.mark.parametrize("policy,slots,recent,size", MODEL_CONFIGS)
 @settings(max_examples=12, deadline=None)
 @given(batches=stream)
-def test_remap_equals_the_numpy_model(policy, batches):
+def test_remap_equals_the_numpy_model(policy, slots, recent, size, batches):
     mc = js.ManagedCollision(
-        "t", num_slots=4, policy=policy, evict_every=2, evict_count=2
-    )
+        "t", num_slots=slots, policy=policy, evict_every=2, evict_count=2,
+        recent_size=recent,
+    )  # fmt: skip
     remap = mc.remap  # compiled once per policy and shape, eagerly too
-    model = Model(4, policy, 2, 2)
+    model = Model(slots, policy, 2, 2)
     state = mc.init()
     for batch in batches:
-        ids = [i for i, _ in batch]
-        mask = [m for _, m in batch]
+        ids = [i for i, _ in batch][:size]
+        mask = [m for _, m in batch][:size]
         rows, state, evicted = remap(
             state, js.RawIds.from_int64(np.array(ids, np.int64)), np.array(mask)
         )

@@ -1,0 +1,452 @@
+// The managed-collision remap (jaxslices/managed/_table.py) on the CPU: the
+// same state, the same rules, the same bits as its XLA reference there.
+//
+// A raw id is a pair of uint32 words ordered by (low, high). The state keeps
+// the tracked ids in two sorted copies, the main one (S entries) and a small
+// one of recent admissions (K entries), each followed by zeros. Admission
+// ("admit"): the batch is looked up by bisection in both copies, its distinct
+// new ids are admitted in (low, high) order into the free slots (a stack),
+// and merged into the small copy, which is merged into the main copy first
+// when the batch might not fit in it (or, for a batch of more than K ids,
+// they go to the main copy). Eviction ("evict"): the `need` occupied slots
+// lowest by (first score, second score, slot), found from a sample's
+// threshold and one pass over the slots, are freed, and both copies compacted.
+// Every merge and compaction is in place: a donated state is never copied.
+#include <algorithm>
+
+#include "common.h"
+
+namespace jaxslices {
+
+namespace {
+
+constexpr int32_t kInt32Max = 0x7FFFFFFF;
+
+using U32Vector = ffi::BufferR1<ffi::U32>;
+using S32Vector = ffi::BufferR1<ffi::S32>;
+using PredVector = ffi::BufferR1<ffi::PRED>;
+
+inline bool Less(uint32_t al, uint32_t ah, uint32_t bl, uint32_t bh) {
+  return al < bl || (al == bl && ah < bh);
+}
+
+inline int32_t SaturatingAdd(int32_t a, int64_t b) {
+  int64_t s = static_cast<int64_t>(a) + b;
+  return s > kInt32Max ? kInt32Max : static_cast<int32_t>(s);
+}
+
+// The output that aliases an input (copied first should XLA not alias it).
+template <ffi::DataType T>
+inline ffi::NativeType<T>* Out(const ffi::BufferR1<T>& in, ffi::Result<ffi::BufferR1<T>>& out) {
+  if (in.untyped_data() != out->untyped_data() && in.size_bytes() > 0) {
+    std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
+  }
+  return out->typed_data();
+}
+
+// A sorted copy: ids (low, high words) and their slots; n entries in use.
+struct Copy {
+  uint32_t* hi;
+  uint32_t* lo;
+  int32_t* slots;
+  int64_t size;
+
+  // The first entry of [0, n) not below (l, h), for an id not below the
+  // one placed at `from`: an exponential search forward from there, then a
+  // bisection.
+  int64_t Gallop(int64_t from, int64_t n, uint32_t l, uint32_t h) const {
+    int64_t low = from, step = 1, high = from;
+    while (high < n && Less(lo[high], hi[high], l, h)) {
+      low = high + 1;
+      high = from + step;
+      step *= 2;
+    }
+    high = std::min(high, n);
+    while (low < high) {
+      int64_t mid = low + (high - low) / 2;
+      if (Less(lo[mid], hi[mid], l, h)) {
+        low = mid + 1;
+      } else {
+        high = mid;
+      }
+    }
+    return low;
+  }
+  bool Hit(int64_t n, int64_t at, uint32_t l, uint32_t h) const {
+    return at < n && lo[at] == l && hi[at] == h;
+  }
+
+  // Merge m sorted entries (l, h, s) into [0, n), in place from the back.
+  void Merge(int64_t n, const uint32_t* l, const uint32_t* h, const int32_t* s,
+             int64_t m) {
+    int64_t i = n - 1, j = m - 1, w = n + m - 1;
+    while (j >= 0) {
+      if (i >= 0 && Less(l[j], h[j], lo[i], hi[i])) {
+        lo[w] = lo[i], hi[w] = hi[i], slots[w] = slots[i];
+        --i;
+      } else {
+        lo[w] = l[j], hi[w] = h[j], slots[w] = s[j];
+        --j;
+      }
+      --w;
+    }
+  }
+
+  // Keep the entries of [0, n) whose slot is occupied, zeros after them.
+  int64_t Compact(int64_t n, const bool* occupied) {
+    int64_t w = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (!occupied[slots[i]]) continue;
+      lo[w] = lo[i], hi[w] = hi[i], slots[w] = slots[i];
+      ++w;
+    }
+    std::fill(lo + w, lo + n, 0u);
+    std::fill(hi + w, hi + n, 0u);
+    std::fill(slots + w, slots + n, 0);
+    return w;
+  }
+};
+
+// Scalars of the state, in the order of the wrappers' `scalars` operand.
+enum Scalar { kNumFree = 0, kNumRecent, kStep, kAdmissions, kDefaulted, kEvictions, kScalars };
+
+struct NewId {
+  uint32_t lo, hi;
+  int32_t pos;
+};
+
+// Sort by (low, high, position): a stable LSD radix sort of the 64-bit key
+// (low << 32 | high), 8 bits a pass; the input is in position order.
+void RadixSort(std::vector<NewId>* items, std::vector<NewId>* spare) {
+  const size_t n = items->size();
+  if (n == 0) return;
+  spare->resize(n);
+  NewId* a = items->data();
+  NewId* b = spare->data();
+  for (int pass = 0; pass < 8; ++pass) {
+    const int shift = (pass % 4) * 8;
+    auto digit = [&](const NewId& x) { return ((pass < 4 ? x.hi : x.lo) >> shift) & 0xFF; };
+    size_t count[257] = {0};
+    for (size_t i = 0; i < n; ++i) ++count[digit(a[i]) + 1];
+    if (count[digit(a[0]) + 1] == n) continue;  // one digit: nothing moves
+    for (int d = 0; d < 256; ++d) count[d + 1] += count[d];
+    for (size_t i = 0; i < n; ++i) b[count[digit(a[i])]++] = a[i];
+    std::swap(a, b);
+  }
+  if (a != items->data()) std::memcpy(items->data(), a, n * sizeof(NewId));
+}
+
+}  // namespace
+
+static ffi::Error AdmitImpl(
+    U32Vector hi, U32Vector lo, PredVector valid, U32Vector ids_hi, U32Vector ids_lo,
+    PredVector occupied, S32Vector counts, S32Vector last_seen, U32Vector sorted_hi,
+    U32Vector sorted_lo, S32Vector sorted_slots, U32Vector recent_hi, U32Vector recent_lo,
+    S32Vector recent_slots, S32Vector free_slots, S32Vector scalars,
+    ffi::Result<S32Vector> rows_out, ffi::Result<U32Vector> ids_hi_out,
+    ffi::Result<U32Vector> ids_lo_out, ffi::Result<PredVector> occupied_out,
+    ffi::Result<S32Vector> counts_out, ffi::Result<S32Vector> last_seen_out,
+    ffi::Result<U32Vector> sorted_hi_out, ffi::Result<U32Vector> sorted_lo_out,
+    ffi::Result<S32Vector> sorted_slots_out, ffi::Result<U32Vector> recent_hi_out,
+    ffi::Result<U32Vector> recent_lo_out, ffi::Result<S32Vector> recent_slots_out,
+    ffi::Result<S32Vector> scalars_out, int64_t threads, int64_t min_slots) {
+  constexpr const char* kKernel = "managed admit";
+  (void)threads, (void)min_slots;
+  const int64_t N = hi.element_count(), S = ids_hi.element_count(),
+                K = recent_hi.element_count();
+  if (lo.element_count() != N || valid.element_count() != N ||
+      rows_out->element_count() != N) {
+    return Invalid(kKernel, "ids of " + Str(N) + " high words, " +
+                                Str(lo.element_count()) + " low words, " +
+                                Str(valid.element_count()) + " mask entries");
+  }
+  for (int64_t n : {ids_lo.element_count(), occupied.element_count(), counts.element_count(),
+                    last_seen.element_count(), sorted_hi.element_count(),
+                    sorted_lo.element_count(), sorted_slots.element_count(),
+                    free_slots.element_count()}) {
+    if (n != S) return Invalid(kKernel, "a per-slot array of " + Str(n) + " for " + Str(S) + " slots");
+  }
+  if (recent_lo.element_count() != K || recent_slots.element_count() != K ||
+      scalars.element_count() != kScalars) {
+    return Invalid(kKernel, "recent copy or scalars of the wrong size");
+  }
+  uint32_t* ih = Out(ids_hi, ids_hi_out);
+  uint32_t* il = Out(ids_lo, ids_lo_out);
+  bool* occ = Out(occupied, occupied_out);
+  int32_t* cnt = Out(counts, counts_out);
+  int32_t* last = Out(last_seen, last_seen_out);
+  Copy main{Out(sorted_hi, sorted_hi_out), Out(sorted_lo, sorted_lo_out),
+            Out(sorted_slots, sorted_slots_out), S};
+  Copy recent{Out(recent_hi, recent_hi_out), Out(recent_lo, recent_lo_out),
+              Out(recent_slots, recent_slots_out), K};
+  int32_t* sc = Out(scalars, scalars_out);
+  int32_t* rows = rows_out->typed_data();
+  const uint32_t* h = hi.typed_data();
+  const uint32_t* l = lo.typed_data();
+  const bool* ok = valid.typed_data();
+  const int32_t* stack = free_slots.typed_data();
+  if (N == 0) return ffi::Error::Success();
+
+  int64_t num_free = sc[kNumFree], num_recent = sc[kNumRecent];
+  const int32_t step = sc[kStep];
+  const bool into_recent = N <= K;
+  const bool full = into_recent ? num_recent + N > K : num_recent > 0;
+  if (full && num_recent > 0) {  // flush: the recent copy into the main one
+    main.Merge(S - num_free - num_recent, recent.lo, recent.hi, recent.slots, num_recent);
+    std::fill(recent.lo, recent.lo + num_recent, 0u);
+    std::fill(recent.hi, recent.hi + num_recent, 0u);
+    std::fill(recent.slots, recent.slots + num_recent, 0);
+    num_recent = 0;
+  }
+  const int64_t n_main = S - num_free - num_recent;
+
+  // The valid ids sorted by (low, high) word (a radix sort), then looked up
+  // in turn: each search starts where the previous one ended (galloping), so
+  // a batch walks each sorted copy once, forward.
+  static thread_local std::vector<NewId> order, spare;
+  order.clear();
+  for (int64_t i = 0; i < N; ++i) {
+    rows[i] = static_cast<int32_t>(S);
+    if (ok[i]) order.push_back({l[i], h[i], static_cast<int32_t>(i)});
+  }
+  RadixSort(&order, &spare);
+  int64_t from_main = 0, from_recent = 0;
+  static thread_local std::vector<NewId> fresh;
+  fresh.clear();
+  for (const NewId& q : order) {
+    from_main = main.Gallop(from_main, n_main, q.lo, q.hi);
+    if (main.Hit(n_main, from_main, q.lo, q.hi)) {
+      rows[q.pos] = main.slots[from_main];
+      continue;
+    }
+    if (into_recent) {
+      from_recent = recent.Gallop(from_recent, num_recent, q.lo, q.hi);
+      if (recent.Hit(num_recent, from_recent, q.lo, q.hi)) {
+        rows[q.pos] = recent.slots[from_recent];
+        continue;
+      }
+    }
+    fresh.push_back(q);  // in (low, high, position) order
+  }
+  // Admit the distinct new ids in (low, high) order while slots are free.
+  static thread_local std::vector<uint32_t> add_lo, add_hi;
+  static thread_local std::vector<int32_t> add_slot;
+  add_lo.clear(), add_hi.clear(), add_slot.clear();
+  int32_t slot = static_cast<int32_t>(S);
+  for (size_t q = 0; q < fresh.size(); ++q) {
+    const NewId& f = fresh[q];
+    bool first = q == 0 || fresh[q - 1].lo != f.lo || fresh[q - 1].hi != f.hi;
+    if (first) {
+      int64_t rank = static_cast<int64_t>(add_slot.size());
+      slot = static_cast<int32_t>(S);
+      if (rank < num_free) {
+        slot = stack[num_free - 1 - rank];
+        add_lo.push_back(f.lo), add_hi.push_back(f.hi), add_slot.push_back(slot);
+        ih[slot] = f.hi, il[slot] = f.lo, occ[slot] = true, cnt[slot] = 0;
+      }
+    }
+    rows[f.pos] = slot;
+  }
+  const int64_t admitted = static_cast<int64_t>(add_slot.size());
+  int64_t defaulted = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    int32_t r = rows[i];
+    if (r < S) {
+      cnt[r] = SaturatingAdd(cnt[r], 1);
+      last[r] = step;
+    } else if (ok[i]) {
+      ++defaulted;
+    }
+  }
+  if (admitted > 0) {
+    Copy& into = into_recent ? recent : main;
+    into.Merge(into_recent ? num_recent : n_main, add_lo.data(), add_hi.data(),
+               add_slot.data(), admitted);
+  }
+  sc[kNumFree] = static_cast<int32_t>(num_free - admitted);
+  sc[kNumRecent] = static_cast<int32_t>(num_recent + (into_recent ? admitted : 0));
+  sc[kAdmissions] = SaturatingAdd(sc[kAdmissions], admitted);
+  sc[kDefaulted] = SaturatingAdd(sc[kDefaulted], defaulted);
+  return ffi::Error::Success();
+}
+
+namespace {
+
+// A slot's eviction key: (first score, second score, slot), all below 2**31,
+// as one 128-bit integer: every key distinct, ordered as the policy orders.
+using Key = unsigned __int128;
+inline Key EvictionKey(int32_t first, int32_t then, int64_t slot) {
+  return (static_cast<Key>(static_cast<uint32_t>(first)) << 62) |
+         (static_cast<Key>(static_cast<uint32_t>(then)) << 31) | static_cast<Key>(slot);
+}
+
+// The `need` occupied slots of lowest key, in increasing slot order, into
+// `out`. A threshold from a sample of the slots (about 16k keys) bounds the
+// candidates; one pass collects the keys below it (about twice `need`), and
+// a selection among them gives the exact answer (all keys if the sample's
+// threshold was too low: never wrong, only slower).
+void Lowest(const int32_t* first, const int32_t* then, const bool* occ, int64_t S,
+            int64_t occupied, int64_t need, int32_t* out) {
+  static thread_local std::vector<Key> sample, candidates;
+  const Key all = ~static_cast<Key>(0);
+  Key bound = all;
+  if (need < occupied) {
+    const int64_t stride = std::max<int64_t>(1, S / 16384);
+    sample.clear();
+    for (int64_t s = 0; s < S; s += stride) {
+      if (occ[s]) sample.push_back(EvictionKey(first[s], then[s], s));
+    }
+    const double share = static_cast<double>(need) / static_cast<double>(occupied);
+    const int64_t q = static_cast<int64_t>(1.5 * share * sample.size()) + 16;
+    if (q < static_cast<int64_t>(sample.size())) {
+      std::nth_element(sample.begin(), sample.begin() + q, sample.end());
+      bound = sample[q];
+    }
+  }
+  for (int pass = 0; pass < 2; ++pass) {
+    candidates.clear();
+    for (int64_t s = 0; s < S; ++s) {
+      if (!occ[s]) continue;
+      Key k = EvictionKey(first[s], then[s], s);
+      if (k <= bound) candidates.push_back(k);
+    }
+    if (static_cast<int64_t>(candidates.size()) >= need) break;
+    bound = all;  // the sample's threshold was too low: every key
+  }
+  std::nth_element(candidates.begin(), candidates.begin() + (need - 1), candidates.end());
+  for (int64_t r = 0; r < need; ++r) {
+    out[r] = static_cast<int32_t>(candidates[r] & 0x7FFFFFFF);
+  }
+  std::sort(out, out + need);
+}
+
+}  // namespace
+
+static ffi::Error EvictImpl(
+    U32Vector ids_hi, U32Vector ids_lo, PredVector occupied, S32Vector counts,
+    S32Vector last_seen, U32Vector sorted_hi, U32Vector sorted_lo, S32Vector sorted_slots,
+    U32Vector recent_hi, U32Vector recent_lo, S32Vector recent_slots, S32Vector free_slots,
+    S32Vector scalars, ffi::Result<S32Vector> evicted_out, ffi::Result<U32Vector> ids_hi_out,
+    ffi::Result<U32Vector> ids_lo_out, ffi::Result<PredVector> occupied_out,
+    ffi::Result<S32Vector> counts_out, ffi::Result<S32Vector> last_seen_out,
+    ffi::Result<U32Vector> sorted_hi_out, ffi::Result<U32Vector> sorted_lo_out,
+    ffi::Result<S32Vector> sorted_slots_out, ffi::Result<U32Vector> recent_hi_out,
+    ffi::Result<U32Vector> recent_lo_out, ffi::Result<S32Vector> recent_slots_out,
+    ffi::Result<S32Vector> free_slots_out, ffi::Result<S32Vector> scalars_out, bool lfu,
+    int64_t threads, int64_t min_slots) {
+  constexpr const char* kKernel = "managed evict";
+  (void)threads, (void)min_slots;
+  const int64_t S = ids_hi.element_count(), K = recent_hi.element_count(),
+                E = evicted_out->element_count();
+  for (int64_t n : {ids_lo.element_count(), occupied.element_count(), counts.element_count(),
+                    last_seen.element_count(), sorted_hi.element_count(),
+                    sorted_lo.element_count(), sorted_slots.element_count(),
+                    free_slots.element_count()}) {
+    if (n != S) return Invalid(kKernel, "a per-slot array of " + Str(n) + " for " + Str(S) + " slots");
+  }
+  if (recent_lo.element_count() != K || recent_slots.element_count() != K ||
+      scalars.element_count() != kScalars || E > S) {
+    return Invalid(kKernel, "recent copy, scalars or evicted slots of the wrong size");
+  }
+  uint32_t* ih = Out(ids_hi, ids_hi_out);
+  uint32_t* il = Out(ids_lo, ids_lo_out);
+  bool* occ = Out(occupied, occupied_out);
+  int32_t* cnt = Out(counts, counts_out);
+  int32_t* last = Out(last_seen, last_seen_out);
+  Copy main{Out(sorted_hi, sorted_hi_out), Out(sorted_lo, sorted_lo_out),
+            Out(sorted_slots, sorted_slots_out), S};
+  Copy recent{Out(recent_hi, recent_hi_out), Out(recent_lo, recent_lo_out),
+              Out(recent_slots, recent_slots_out), K};
+  int32_t* stack = Out(free_slots, free_slots_out);
+  int32_t* sc = Out(scalars, scalars_out);
+  int32_t* evicted = evicted_out->typed_data();
+  std::fill(evicted, evicted + E, static_cast<int32_t>(S));
+  const int64_t num_free = sc[kNumFree], num_recent = sc[kNumRecent];
+  const int64_t need = std::max<int64_t>(E - num_free, 0);
+  if (need == 0) return ffi::Error::Success();
+
+  Lowest(lfu ? cnt : last, lfu ? last : cnt, occ, S, S - num_free, need, evicted);
+  for (int64_t r = 0; r < need; ++r) {
+    int32_t s = evicted[r];
+    occ[s] = false, ih[s] = 0, il[s] = 0, cnt[s] = 0, last[s] = 0;
+    stack[num_free + r] = s;
+  }
+  main.Compact(S - num_free - num_recent, occ);
+  sc[kNumRecent] = static_cast<int32_t>(recent.Compact(num_recent, occ));
+  sc[kNumFree] = static_cast<int32_t>(num_free + need);
+  sc[kEvictions] = SaturatingAdd(sc[kEvictions], need);
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxslices
+
+namespace js = jaxslices;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxslicesManagedAdmitS32, js::AdmitImpl,
+    xla::ffi::Ffi::Bind()
+        .Arg<js::U32Vector>()   // hi [N]
+        .Arg<js::U32Vector>()   // lo [N]
+        .Arg<js::PredVector>()  // valid [N]
+        .Arg<js::U32Vector>()   // ids_hi [S]
+        .Arg<js::U32Vector>()   // ids_lo [S]
+        .Arg<js::PredVector>()  // occupied [S]
+        .Arg<js::S32Vector>()   // counts [S]
+        .Arg<js::S32Vector>()   // last_seen [S]
+        .Arg<js::U32Vector>()   // sorted_hi [S]
+        .Arg<js::U32Vector>()   // sorted_lo [S]
+        .Arg<js::S32Vector>()   // sorted_slots [S]
+        .Arg<js::U32Vector>()   // recent_hi [K]
+        .Arg<js::U32Vector>()   // recent_lo [K]
+        .Arg<js::S32Vector>()   // recent_slots [K]
+        .Arg<js::S32Vector>()   // free_slots [S]
+        .Arg<js::S32Vector>()   // scalars [6]
+        .Ret<js::S32Vector>()   // rows [N]
+        .Ret<js::U32Vector>()   // ids_hi (aliased), and so on
+        .Ret<js::U32Vector>()
+        .Ret<js::PredVector>()
+        .Ret<js::S32Vector>()
+        .Ret<js::S32Vector>()
+        .Ret<js::U32Vector>()
+        .Ret<js::U32Vector>()
+        .Ret<js::S32Vector>()
+        .Ret<js::U32Vector>()
+        .Ret<js::U32Vector>()
+        .Ret<js::S32Vector>()
+        .Ret<js::S32Vector>()   // scalars (aliased)
+        .Attr<int64_t>("threads")
+        .Attr<int64_t>("min_slots"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxslicesManagedEvictS32, js::EvictImpl,
+    xla::ffi::Ffi::Bind()
+        .Arg<js::U32Vector>()   // ids_hi [S]
+        .Arg<js::U32Vector>()   // ids_lo [S]
+        .Arg<js::PredVector>()  // occupied [S]
+        .Arg<js::S32Vector>()   // counts [S]
+        .Arg<js::S32Vector>()   // last_seen [S]
+        .Arg<js::U32Vector>()   // sorted_hi [S]
+        .Arg<js::U32Vector>()   // sorted_lo [S]
+        .Arg<js::S32Vector>()   // sorted_slots [S]
+        .Arg<js::U32Vector>()   // recent_hi [K]
+        .Arg<js::U32Vector>()   // recent_lo [K]
+        .Arg<js::S32Vector>()   // recent_slots [K]
+        .Arg<js::S32Vector>()   // free_slots [S]
+        .Arg<js::S32Vector>()   // scalars [6]
+        .Ret<js::S32Vector>()   // evicted [E]
+        .Ret<js::U32Vector>()   // ids_hi (aliased), and so on
+        .Ret<js::U32Vector>()
+        .Ret<js::PredVector>()
+        .Ret<js::S32Vector>()
+        .Ret<js::S32Vector>()
+        .Ret<js::U32Vector>()
+        .Ret<js::U32Vector>()
+        .Ret<js::S32Vector>()
+        .Ret<js::U32Vector>()
+        .Ret<js::U32Vector>()
+        .Ret<js::S32Vector>()
+        .Ret<js::S32Vector>()   // free_slots (aliased)
+        .Ret<js::S32Vector>()   // scalars (aliased)
+        .Attr<bool>("lfu")
+        .Attr<int64_t>("threads")
+        .Attr<int64_t>("min_slots"));
