@@ -1043,9 +1043,22 @@ def _scatter_rounded(
     or stochastically: :mod:`jaxslices._rounding`), so a row is rounded once
     per step whatever its number of duplicates.
     """
+    given = s
     x, s = _check_target(x, s, where)
     if s.num_slices == 0:
         return x
+    if x.ndim >= 1 and kernel_path.route(where, tables=(x, s.values)):
+        # The native kernel: the same sums, additions and rounding, in place.
+        return kernel_ops.apply(
+            x,
+            kernel_input(given, where),
+            s.indices,
+            coalesced=s.unique_indices,
+            sum_duplicates=True,
+            stochastic=stochastic,
+            seed=seed,
+            label=where,
+        )
     c = coalesce_bounded(s, "auto", None, where)
     flags = {"unique_indices": True, "indices_are_sorted": c.indices_sorted}
     idx = safe_indices(c)
