@@ -1059,7 +1059,8 @@ def _scatter_rounded(
             seed=seed,
             label=where,
         )
-    c = coalesce_bounded(s, "auto", None, where)
+    # Summed in float32 (coalescing bfloat16 values would round each sum).
+    c = coalesce_bounded(s.astype(jnp.float32), "auto", None, where)
     flags = {"unique_indices": True, "indices_are_sorted": c.indices_sorted}
     idx = safe_indices(c)
     old = x.at[idx].get(mode="fill", fill_value=0, **flags)
