@@ -100,7 +100,8 @@ def main(
             box = {"p": params, "s": state, "k": 0}
 
             def run(compiled=compiled, cycle=cycle, box=box):
-                box["p"], box["s"] = compiled(box["p"], box["s"], *next(cycle), box["k"])
+                ids, y = next(cycle)
+                box["p"], box["s"] = compiled(box["p"], box["s"], ids, y, box["k"])
                 box["k"] += 1
                 jax.block_until_ready(box["p"])
 
