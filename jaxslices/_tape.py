@@ -38,6 +38,7 @@ from . import _jax_compat, _strict
 from . import _recipe as recipes
 from . import slices as slices_mod
 from ._recipe import Recipe, flat_rows
+from .kernels import _path as kernel_path
 from .slices import IndexedSlices
 
 trace_state = _jax_compat.trace_state
@@ -619,10 +620,12 @@ def _unpool(ct, pooled, bag, rec, num_slots):
 
 
 def _recipe(pieces, dtype) -> Recipe | None:
-    """The recipe of concatenated lookups, if every one is a float32 bag."""
-    if any(p is None for p in pieces) or jnp.dtype(dtype) != jnp.float32:
+    """The recipe of concatenated lookups, if every one is a bag of a dtype the
+    kernels read (float32; bfloat16 and float16, widened to float32)."""
+    kinds = kernel_path.TABLE_DTYPES
+    if any(p is None for p in pieces) or jnp.dtype(dtype) not in kinds:
         return None
-    if any(jnp.dtype(p[0].dtype) != jnp.float32 for p in pieces):
+    if any(jnp.dtype(p[0].dtype) not in kinds for p in pieces):
         return None
     parts = [
         (

@@ -375,7 +375,7 @@ def embedding_bag(
         handler is None
         and max_norm is None
         and (dtype is None or jnp.dtype(dtype) == table.dtype)
-        and kernel_path.route(where, table, weights, safe)
+        and kernel_path.route(where, safe, tables=(table, weights))
     )
     expected = _tape.expects_pooled(table) if handler is None else None
     if expected is not None:  # the path this value_and_grad's discovery took

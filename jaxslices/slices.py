@@ -1043,10 +1043,24 @@ def _scatter_rounded(
     or stochastically: :mod:`jaxslices._rounding`), so a row is rounded once
     per step whatever its number of duplicates.
     """
+    given = s
     x, s = _check_target(x, s, where)
     if s.num_slices == 0:
         return x
-    c = coalesce_bounded(s, "auto", None, where)
+    if x.ndim >= 1 and kernel_path.route(where, tables=(x, s.values)):
+        # The native kernel: the same sums, additions and rounding, in place.
+        return kernel_ops.apply(
+            x,
+            kernel_input(given, where),
+            s.indices,
+            coalesced=s.unique_indices,
+            sum_duplicates=True,
+            stochastic=stochastic,
+            seed=seed,
+            label=where,
+        )
+    # Summed in float32 (coalescing bfloat16 values would round each sum).
+    c = coalesce_bounded(s.astype(jnp.float32), "auto", None, where)
     flags = {"unique_indices": True, "indices_are_sorted": c.indices_sorted}
     idx = safe_indices(c)
     old = x.at[idx].get(mode="fill", fill_value=0, **flags)

@@ -97,6 +97,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "2026-11-cpu-threads/dlrm_bench_cpu_xla.json",
     ),
     "kernels-soak": ("2026-11-cpu-threads/soak_bench_cpu.json",),
+    "kernels-lowp": ("2026-11-cpu-lowp/lowp_bench_cpu.json",),
     "kernels-threads": (
         "2026-11-cpu-threads/peers_bench_cpu.json",
         "2026-11-cpu-threads/threads_bench_cpu.json",
@@ -1133,6 +1134,46 @@ def kernels_threads() -> str:
     )
 
 
+def kernels_lowp() -> str:
+    """docs/kernels.md: the native step on a bfloat16 table vs float32 (lowp_bench)."""
+    (name,) = SOURCES["kernels-lowp"]
+    d = load(name)
+    env, st = d["environment"], d["settings"]
+    configs = list(d["results"][0]["ms"])
+    head = ["optimizer", *configs, "bfloat16 / float32"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    goals = []
+    for r in d["results"]:
+        opt = r["workload"]["optimizer"].replace("_", " ")
+        cells = [opt, *[f"{r['ms'][c]['median_ms']:.2f}" for c in configs]]
+        ratio = r["ratio_bf16_to_f32"]
+        cells.append(f"{ratio:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+        ok = ratio <= st["goal_ratio"]
+        goals.append(
+            f"{opt}: bfloat16 / float32 {ratio:.2f}x (goal <= {st['goal_ratio']}x: "
+            f"{'met' if ok else '**missed**'}); every operation native: "
+            f"{all(r['native'].values())}"
+        )
+    return "\n".join(
+        [
+            f"`benchmarks/results/{name}`: {env['nproc']} shared CPU cores "
+            f"({env['cpu']}), jax {env['jax']}, load average (1 min) "
+            f"{env['load_avg_1m']:.1f} to {env['load_avg_1m_end']:.1f}; V = "
+            f"{st['num_rows']:,} x {st['dim']}, {st['bags']} bags x {st['bag']} "
+            "Zipf ids, mean pooling, a linear head, donated; cells: median wall "
+            "ms per step, the configurations taking turns.",
+            "",
+            *lines,
+            "",
+            *[f"* {g}" for g in goals],
+            "",
+            f"Command: `{d['command']}`.",
+            "",
+        ]
+    )
+
+
 def results_sources() -> str:
     """benchmarks/results/README.md: which run each generated block quotes."""
     lines = ["| block | quoted in | results files |", "| --- | --- | --- |"]
@@ -1213,6 +1254,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "kernels-dlrm": kernels_dlrm,
     "kernels-soak": kernels_soak,
     "kernels-threads": kernels_threads,
+    "kernels-lowp": kernels_lowp,
     "kernels-sgd-duplicates": kernels_sgd_duplicates,
     "kernels-peers": kernels_peers,
     "kernels-floor": kernels_floor,

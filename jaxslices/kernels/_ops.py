@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _coalesce, _jax_compat, _strict
+from .. import _coalesce, _jax_compat, _rounding, _strict
 from .._recipe import Recipe, flat_rows
 from . import _pallas
 from ._primitive import NativeOp, check_ids_dtype
@@ -90,6 +90,8 @@ def _bag_reference(
     # An id outside [0, V) adds nothing; JAX would wrap a negative one.
     safe = jnp.where((ids >= 0) & (ids < table.shape[0]), ids, table.shape[0])
     rows = flat_rows(table.at[safe].get(mode="fill", fill_value=0))
+    # Pooled in (at least) float32, rounded once into the table's dtype.
+    rows = rows.astype(jnp.promote_types(table.dtype, jnp.float32))
     if has_weight:
         rows = rows * weight[:, None]
     if has_bag:
@@ -101,7 +103,7 @@ def _bag_reference(
         total = jnp.sum(rows.reshape(num_bags, length, rows.shape[1]), axis=1)
     if has_scale:
         total = total * scale[:, None]
-    return [total.reshape((num_bags, *row_shape))]
+    return [total.astype(table.dtype).reshape((num_bags, *row_shape))]
 
 
 def _bag_abstract(table, ids, bag, weight, scale, *, num_bags, **_):
@@ -162,7 +164,9 @@ def bag_forward(
 ) -> jax.Array:
     """``out[b] = scale[b] * sum_{s in b} weight[s] * table[ids[s]]``.
 
-    ``table`` ``[V, *row]`` float32 (out: ``[B, *row]``); ``ids`` ``[N]``
+    ``table`` ``[V, *row]`` float32, bfloat16 or float16 (out: ``[B, *row]``
+    of its dtype; a low-precision table is read and pooled in float32, the
+    output rounded once to nearest); ``ids`` ``[N]``
     int32 or int64 (an id outside ``[0, V)`` reads a row of zeros); bags
     padded (``length`` slots each, ``N = B * length``; ``length`` 0: no
     slots, every bag empty, zeros) or given per slot (``bag``; ``num_bags``
@@ -184,8 +188,8 @@ def bag_forward(
         table,
         ids,
         _NONE_I32 if bag is None else bag,
-        _NONE_F32 if weight is None else weight,
-        _NONE_F32 if scale is None else scale,
+        _NONE_F32 if weight is None else _f32(weight),
+        _NONE_F32 if scale is None else _f32(scale),
         has_bag=bag is not None,
         has_weight=weight is not None,
         has_scale=scale is not None,
@@ -232,13 +236,16 @@ class RuleSpec:
 def _recipe_args(recipe: Recipe) -> tuple[list[Any], dict[str, bool]]:
     """The recipe as operands ``[src, bag, weight, scale]`` and its has_* flags."""
     bag = _NONE_I32 if recipe.bag is None else recipe.bag
-    weight = _NONE_F32 if recipe.weight is None else recipe.weight
+    weight = _NONE_F32 if recipe.weight is None else _f32(recipe.weight)
     scale = jnp.ones((), jnp.float32) if recipe.scale is None else _f32(recipe.scale)
     present = {
         "has_bag": recipe.bag is not None,
         "has_weight": recipe.weight is not None,
     }
-    return [recipe.src, bag, weight, scale], present
+    # The kernels sum in float32: a bfloat16/float16 gradient (a low-precision
+    # table's) is widened here ([M, R], exact), so the reference sums in
+    # float32 too.
+    return [_f32(recipe.src), bag, weight, scale], present
 
 
 def _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length):
@@ -270,8 +277,8 @@ def _rowwise_reference(
         p_rows = params.at[uids].get(**gather)
     if spec.uses_state:
         state_rows = state.at[uids].get(**gather)
-    if p_rows is not None:
-        p_rows = flat_rows(p_rows)
+    if p_rows is not None:  # a bfloat16/float16 table's rows, read in float32
+        p_rows = flat_rows(p_rows).astype(jnp.promote_types(params.dtype, jnp.float32))
     if state_rows is not None:
         state_rows = flat_rows(state_rows)
     out, new_rows = spec.reference(summed, state_rows, p_rows, hp, spec.cfg)
@@ -337,7 +344,8 @@ def rowwise(
 ) -> tuple[jax.Array | None, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Sum a recipe's rows per distinct id, then ``spec``'s rule per row.
 
-    ``state`` ``[V, *srow]`` and ``params`` ``[V, *row]`` (float32; the
+    ``state`` ``[V, *srow]`` (float32) and ``params`` ``[V, *row]``
+    (float32, bfloat16 or float16, read in float32; the
     kernel and the rule see their rows flattened, ``[V, S]`` and ``[V, R]``,
     as the reference does) as the rule needs them; ``capacity`` output slots
     (``<= N``). The state is passed whole, never reshaped: a reshape between
@@ -386,17 +394,41 @@ NATIVE_OPS = frozenset(
 
 
 def _apply_reference(
-    table, src, ids, bag, weight, scale, *, has_bag, has_weight, coalesced,
-    length, **_,
+    table, src, ids, bag, weight, scale, seed, *, has_bag, has_weight, coalesced,
+    length, stochastic, **_,
 ):  # fmt: skip
     values = _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length)
-    values = values.reshape((-1, *table.shape[1:]))
     num_rows = table.shape[0]
     safe = jnp.where((ids >= 0) & (ids < num_rows), ids, num_rows)
+    if _rounding.is_low_precision(table.dtype):
+        return [_apply_rounded(table, values, safe, seed, coalesced, stochastic)]
+    values = values.reshape((-1, *table.shape[1:]))
     out = table.at[safe].add(
         values.astype(table.dtype), mode="drop", unique_indices=coalesced
     )
     return [out]
+
+
+def _apply_rounded(table, values, safe, seed, coalesced, stochastic):
+    """A bfloat16/float16 table plus float32 rows ``[N, R]``, rounded once per row.
+
+    Duplicates summed in float32 (slot order), each touched row read and
+    added in float32, written back rounded (:func:`_rounding.round_rows`).
+    """
+    num_rows = table.shape[0]
+    if values.shape[0] == 0:
+        return table
+    if coalesced:  # distinct valid ids already (the rest out of range)
+        summed, uids = values, safe
+    else:
+        summed, uids, _ = _coalesce.coalesce_rows(values, safe, num_rows, "auto")
+    gather = {"mode": "fill", "fill_value": 0, "unique_indices": True}
+    old = flat_rows(table.at[uids].get(**gather)).astype(jnp.float32)
+    new = _rounding.round_rows(
+        old + summed, table.dtype, uids, stochastic=stochastic, seed=seed
+    )
+    new = new.reshape((-1, *table.shape[1:]))
+    return table.at[uids].set(new, mode="drop", unique_indices=True)
 
 
 def _apply_abstract(table, *avals, **_):
@@ -413,6 +445,7 @@ _APPLY = NativeOp(
         "has_weight": np.bool_,
         "coalesced": np.bool_,
         "sum_duplicates": np.bool_,
+        "stochastic": np.bool_,
         "length": np.int64,
     },
     ids_operand=2,
@@ -427,9 +460,19 @@ def apply(
     *,
     coalesced: bool = False,
     sum_duplicates: bool = False,
+    stochastic: bool = False,
+    seed: Any = None,
     label: str = "",
 ) -> jax.Array:
     """``table`` ``[V, *row]`` plus the recipe's rows at ``ids``, in place.
+
+    A bfloat16 or float16 ``table``: the rows of each id are summed in
+    float32 (in slot order), added to the row in float32 and the row
+    written back rounded once: stochastically when ``stochastic`` (the
+    noise of :mod:`jaxslices._rounding` with ``seed``, a ``uint32`` scalar:
+    :func:`jaxslices._rounding.seed_from`), else to nearest; the same bits
+    as :func:`jaxslices.apply_updates` on the XLA path when the float32
+    sums agree.
 
     Each slot's row is added in turn, as the XLA path's scatter-add does
     (plain SGD's update on both paths). With ``sum_duplicates`` the rows of
@@ -440,14 +483,17 @@ def apply(
     """
     check_ids_dtype(ids, label or "apply")
     args, present = _recipe_args(recipe)
+    seed = jnp.zeros((), jnp.uint32) if seed is None else jnp.asarray(seed, jnp.uint32)
     (out,) = _APPLY.bind(
         table,
         args[0],
         ids,
         *args[1:],
+        seed,
         **present,
         coalesced=bool(coalesced),
         sum_duplicates=bool(sum_duplicates),
+        stochastic=bool(stochastic),
         length=int(recipe.length),
         fallback=None,
         label=label,

@@ -2,7 +2,8 @@
 
 Every jaxslices operation with a kernel asks :func:`route` when it is traced
 (the kernels are on and load, the platform is the CPU, or a GPU inside
-:func:`gpu_kernels` with rows of a power-of-two width, float32 arrays, not
+:func:`gpu_kernels` with rows of a power-of-two width, float32 arrays (a
+table and its gradient may also be bfloat16 or float16 on the CPU), not
 under ``jax.vmap``, not laid out over a mesh by ``jit``), or records with
 :func:`note` why it takes the XLA path by itself. Each decision is written
 into the traced jaxpr as a marker primitive that computes nothing, so that
@@ -42,6 +43,7 @@ __all__ = [
     "note",
     "note_materialised",
     "route",
+    "TABLE_DTYPES",
 ]
 
 # ------------------------------------------------------------ the switch
@@ -173,21 +175,37 @@ def note_materialised(op: str, reason: str) -> None:
     _record(op, reason, MATERIALISED)
 
 
-def route(op: str, *arrays: Any, dtypes: tuple[Any, ...] = (jnp.float32,)) -> bool:
+# What the CPU kernels take for a table, the rows of its gradient or update
+# and the parameters a rule reads: float32, or bfloat16 / float16 (read in
+# float32, written back rounded once; csrc/common.h). Optimizer state and
+# everything else: float32.
+TABLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def route(
+    op: str,
+    *arrays: Any,
+    tables: tuple[Any, ...] = (),
+    dtypes: tuple[Any, ...] = (jnp.float32,),
+) -> bool:
     """Whether ``op`` takes the native path; an XLA path is recorded with why.
 
     Native when: the kernels are enabled and load (built on first use; a
     failure warns once), JAX's default platform is the CPU, every float
-    array among ``arrays`` has a dtype in ``dtypes``, and none is batched by
-    ``jax.vmap``. Otherwise the caller runs its XLA path.
+    array among ``arrays`` has a dtype in ``dtypes`` and every one among
+    ``tables`` (a table, the rows of its gradient or update, the parameters
+    a rule reads) one of :data:`TABLE_DTYPES` (on a GPU: float32), and none
+    is batched by ``jax.vmap``. Otherwise the caller runs its XLA path.
     """
-    reason = _why_not(arrays, dtypes)
+    reason = _why_not(arrays, dtypes, tables)
     if reason is not None:
         note(op, reason)
     return reason is None
 
 
-def _why_not(arrays: tuple[Any, ...], dtypes: tuple[Any, ...]) -> str | None:
+def _why_not(
+    arrays: tuple[Any, ...], dtypes: tuple[Any, ...], tables: tuple[Any, ...] = ()
+) -> str | None:
     if not _enabled():
         return "the native kernels are off (JAXSLICES_NATIVE=0 or kernels.disabled())"
     if not _jax_compat.AVAILABLE["ffi_primitive"]:
@@ -203,12 +221,21 @@ def _why_not(arrays: tuple[Any, ...], dtypes: tuple[Any, ...]) -> str | None:
         return f"the platform is {platform}: this JAX lacks Pallas's GPU backend"
     if platform != "cpu" and not on_gpu:
         return f"the platform is {platform}: the native kernels are CPU and GPU only"
-    for x in arrays:
+    table_dtypes = dtypes if on_gpu else TABLE_DTYPES
+    checks = [(x, dtypes, False) for x in arrays]
+    checks += [(x, table_dtypes, True) for x in tables]
+    for x, allowed, is_table in checks:
         if x is None:
             continue
         dtype = jnp.result_type(x)
-        if jnp.issubdtype(dtype, jnp.inexact) and dtype not in dtypes:
-            names = ", ".join(jnp.dtype(d).name for d in dtypes)
+        if jnp.issubdtype(dtype, jnp.inexact) and dtype not in allowed:
+            names = ", ".join(jnp.dtype(d).name for d in allowed)
+            if not is_table and jnp.dtype(dtype) in TABLE_DTYPES:
+                return (
+                    f"a {jnp.dtype(dtype).name} array where the kernels take "
+                    f"{names} (bfloat16/float16 tables are native, their "
+                    "optimizer state is float32)"
+                )
             return f"a {jnp.dtype(dtype).name} array (the kernels take {names})"
         if _jax_compat.is_batched(x):
             return "inside jax.vmap (the kernels run one problem at a time)"

@@ -455,7 +455,7 @@ def native_leaf(
     if native.refuse is not None:
         kernel_path.note(label, native.refuse)
         return None
-    if not kernel_path.route(label, g.values, state, p):
+    if not kernel_path.route(label, state, tables=(g.values, p)):
         return None
     n = g.num_slices
     capacity = n if bound is None else min(bound, n)

@@ -180,6 +180,7 @@ def test_typed_buffers_refuse_a_wrong_dtype_or_rank():
         "has_weight": np.bool_(False),
         "coalesced": np.bool_(False),
         "sum_duplicates": np.bool_(False),
+        "stochastic": np.bool_(False),
         "length": np.int64(0),
         "threads": np.int64(0),
         "min_slots": np.int64(0),
@@ -187,22 +188,22 @@ def test_typed_buffers_refuse_a_wrong_dtype_or_rank():
     ids = jnp.array([1, 2], jnp.int32)
     none_i, none_f = jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.float32)
     src = jnp.ones((2, R), jnp.float32)
-    one = jnp.ones((), jnp.float32)
-    ok = jax.jit(lambda t: call(t, src, ids, none_i, none_f, one, **attrs))(table)
+    one, seed = jnp.ones((), jnp.float32), jnp.zeros((), jnp.uint32)
+    ok = jax.jit(lambda t: call(t, src, ids, none_i, none_f, one, seed, **attrs))(table)
     np.testing.assert_array_equal(ok[1:3], 2.0)
     bad_rank = jnp.ones((2 * R,), jnp.float32)
     with pytest.raises(Exception, match="(?i)rank"):
-        jax.jit(lambda t: call(t, bad_rank, ids, none_i, none_f, one, **attrs))(
+        jax.jit(lambda t: call(t, bad_rank, ids, none_i, none_f, one, seed, **attrs))(
             table
         ).block_until_ready()
     bad_dtype = ids.astype(jnp.uint32)
     with pytest.raises(Exception, match="(?i)type"):
-        jax.jit(lambda t: call(t, src, bad_dtype, none_i, none_f, one, **attrs))(
+        jax.jit(lambda t: call(t, src, bad_dtype, none_i, none_f, one, seed, **attrs))(
             table
         ).block_until_ready()
     with pytest.raises(Exception, match="(?i)attr|type"):
         wrong = {**attrs, "coalesced": np.int64(0)}  # an int where a bool is bound
-        jax.jit(lambda t: call(t, src, ids, none_i, none_f, one, **wrong))(
+        jax.jit(lambda t: call(t, src, ids, none_i, none_f, one, seed, **wrong))(
             table
         ).block_until_ready()
 

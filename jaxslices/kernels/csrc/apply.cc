@@ -2,6 +2,11 @@
 // table[ids[s]] += scale * weight[s] * src[bag[s]] for each slot with an id in
 // [0, V). With kSumDuplicates the slots of one id are summed first (in order
 // of appearance) and each distinct row is written once.
+//
+// A bfloat16 or float16 table: the slots of one id are always summed first
+// (in float32, in slot order, as the float32 kernel with kSumDuplicates),
+// added to the row read in float32, and the row written back rounded once
+// (common.h's RoundInto: to nearest, or stochastically with the seed).
 #include "common.h"
 
 namespace jaxslices {
@@ -91,13 +96,56 @@ static void Apply(const Recipe<IdT>& r, float* table, int64_t num_rows,
       &t, t.For(r.num_slots));
 }
 
+// A low-precision table: each distinct id's summed row added in float32 and
+// the row rounded once (stochastically: the noise of row id, column k and
+// the float32 sum's bits).
+template <typename T, typename IdT>
+static void ApplyRounded(const Recipe<IdT>& r, T* table, int64_t num_rows,
+                         bool coalesced, bool stochastic, uint32_t seed,
+                         const Threads& t) {
+  const int64_t R = r.row;
+  std::vector<float>& acc = ThreadScratch<float, kApplyRows>();
+  std::vector<IdT>& uids = ThreadScratch<IdT, kApplyIds>();
+  if (static_cast<int64_t>(acc.size()) < r.num_slots * R) acc.resize(r.num_slots * R);
+  if (static_cast<int64_t>(uids.size()) < r.num_slots) uids.resize(r.num_slots);
+  int64_t total = 0;
+  IdT* u = uids.data();
+  float* rows = acc.data();
+  const uint32_t seed_mixed = Mix32(seed);
+  auto add_row = [&](int64_t j) {
+    const int64_t id = static_cast<int64_t>(u[j]);
+    T* row = table + id * R;
+    const float* a = rows + j * R;
+    const uint32_t noise = stochastic ? RowNoise(seed_mixed, id) : 0u;
+    for (int64_t k = 0; k < R; ++k) {
+      const float x = Widen(row[k]) + a[k];
+      RoundInto(row + k, x, stochastic, stochastic ? EntryNoise(noise, k, x) : 0u);
+    }
+  };
+  const int64_t threads = t.For(r.num_slots);
+  if (coalesced) {  // distinct ids: the rows are not prefetched ahead
+    Coalesce(r, num_rows, true, r.num_slots, rows, u, &total, add_row, &t, threads);
+    return;
+  }
+  Coalesce(
+      r, num_rows, false, r.num_slots, rows, u, &total,
+      [&](int64_t j) {
+        if (j + kPrefetch < total) {
+          PrefetchRow(table + static_cast<int64_t>(u[j + kPrefetch]) * R, R, true);
+        }
+        add_row(j);
+      },
+      &t, threads);
+}
+
 template <ffi::DataType kId>
-static ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, F32Rows src,
+static ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, F32Rows src,
                             IdVector<kId> ids, BagVector bag, F32Vector weight,
                             ffi::BufferR0<ffi::F32> scale,
-                            ffi::Result<ffi::Buffer<ffi::F32>> out,
+                            ffi::BufferR0<ffi::U32> seed,
+                            ffi::Result<ffi::AnyBuffer> out,
                             bool has_bag, bool has_weight, bool coalesced,
-                            bool sum_duplicates, int64_t length,
+                            bool sum_duplicates, bool stochastic, int64_t length,
                             int64_t threads, int64_t min_slots) {
   constexpr const char* kKernel = "apply";
   const int64_t row = RowWidth(table);
@@ -105,32 +153,46 @@ static ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, F
     return Invalid(kKernel, "update rows of " + Str(src.dimensions()[1]) +
                                 " floats for table rows of " + Str(row));
   }
+  if (out->element_type() != table.element_type()) {
+    return Invalid(kKernel, "an output of another element type than the table's");
+  }
   Recipe<IdOf<kId>> r{};
   if (auto e = MakeRecipe(kKernel, src, ids, bag, weight, *scale.typed_data(),
                           has_bag, has_weight, length, &r);
       !e.success()) {
     return e;
   }
-  Apply(r, InPlace(table, out), NumRows(table), sum_duplicates, coalesced,
-        Threads{&pool, threads, min_slots});
-  return ffi::Error::Success();
+  const Threads t{&pool, threads, min_slots};
+  return WithTableType(kKernel, table.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    T* data = InPlaceAny<T>(table, out);
+    if constexpr (std::is_same_v<T, float>) {
+      Apply(r, data, NumRows(table), sum_duplicates, coalesced, t);
+    } else {
+      ApplyRounded(r, data, NumRows(table), coalesced, stochastic,
+                   *seed.typed_data(), t);
+    }
+    return ffi::Error::Success();
+  });
 }
 
 template <ffi::DataType kId>
 static auto ApplyBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()        // XLA's intra-op pool
-      .Arg<ffi::Buffer<ffi::F32>>()  // table [V, *row]
+      .Arg<ffi::AnyBuffer>()         // table [V, *row]: f32, bf16 or f16
       .Arg<F32Rows>()                // src [M, R]
       .Arg<IdVector<kId>>()          // ids [N]
       .template Arg<BagVector>()              // bag [N] or []
       .template Arg<F32Vector>()              // weight [N] or []
       .template Arg<ffi::BufferR0<ffi::F32>>()  // scale
-      .template Ret<ffi::Buffer<ffi::F32>>()  // table (aliased)
+      .template Arg<ffi::BufferR0<ffi::U32>>()  // seed (stochastic rounding)
+      .template Ret<ffi::AnyBuffer>()         // table (aliased)
       .template Attr<bool>("has_bag")
       .template Attr<bool>("has_weight")
       .template Attr<bool>("coalesced")
       .template Attr<bool>("sum_duplicates")
+      .template Attr<bool>("stochastic")
       .template Attr<int64_t>("length")
       .template Attr<int64_t>("threads")
       .template Attr<int64_t>("min_slots");

@@ -4,7 +4,9 @@
 // reads no row still adds 0 * weight[s], NaN for a NaN or infinite weight).
 // Bags are padded (slot s belongs to bag s / L), given per slot (bag[s]; a
 // slot with bag[s] outside [0, B) is unused), or, with no slots at all, all
-// empty: zeros (times scale[b]).
+// empty: zeros (times scale[b]). A bfloat16 or float16 table is read in
+// float32 and pooled in float32; the output (the table's type) is rounded
+// once, to nearest.
 #include <algorithm>
 
 #include "common.h"
@@ -19,8 +21,8 @@ static inline void AddZeroRow(float* o, float w, int64_t row) {
 }
 
 // Padded bags [b0, b1): each bag's slots are contiguous.
-template <typename IdT>
-static void PaddedBags(const float* table, int64_t num_rows, int64_t row,
+template <typename T, typename IdT>
+static void PaddedBags(const T* table, int64_t num_rows, int64_t row,
                        const IdT* ids, const float* weight, const float* scale,
                        int64_t length, int64_t b0, int64_t b1, float* out) {
   const int64_t end = b1 * length;
@@ -43,7 +45,7 @@ static void PaddedBags(const float* table, int64_t num_rows, int64_t row,
         AddZeroRow(o, w, row);
         continue;
       }
-      Axpy(o, table + static_cast<int64_t>(id) * row, w, row, first);
+      AxpyFrom(o, table + static_cast<int64_t>(id) * row, w, row, first);
       first = false;
     }
     if (first) std::memset(o, 0, sizeof(float) * row);
@@ -54,8 +56,8 @@ static void PaddedBags(const float* table, int64_t num_rows, int64_t row,
 }
 
 // Slots [s0, s1) of bags given per slot, added into `out` (zeroed).
-template <typename IdT>
-static void SlotBags(const float* table, int64_t num_rows, int64_t row,
+template <typename T, typename IdT>
+static void SlotBags(const T* table, int64_t num_rows, int64_t row,
                      const IdT* ids, const int32_t* bag, const float* weight,
                      int64_t num_bags, int64_t s0, int64_t s1, float* out) {
   for (int64_t s = s0; s < s1; ++s) {
@@ -73,7 +75,7 @@ static void SlotBags(const float* table, int64_t num_rows, int64_t row,
       AddZeroRow(out + b * row, w, row);
       continue;
     }
-    Axpy(out + b * row, table + static_cast<int64_t>(id) * row, w, row, false);
+    AxpyFrom(out + b * row, table + static_cast<int64_t>(id) * row, w, row, false);
   }
 }
 
@@ -81,8 +83,8 @@ static void SlotBags(const float* table, int64_t num_rows, int64_t row,
 // slot split into ranges of slots that start where a bag starts, when the
 // bag array is sorted (as jagged ids' are), else one thread. Each bag's
 // slots are summed in slot order by one thread, as without threads.
-template <typename IdT>
-static void BagForward(const float* table, int64_t num_rows, int64_t row,
+template <typename T, typename IdT>
+static void BagForward(const T* table, int64_t num_rows, int64_t row,
                        const IdT* ids, const int32_t* bag, const float* weight,
                        const float* scale, int64_t num_slots, int64_t num_bags,
                        int64_t length, float* out, const Threads& t) {
@@ -116,12 +118,24 @@ static void BagForward(const float* table, int64_t num_rows, int64_t row,
   }
 }
 
+// The pooled rows in float32 (`pooled`), rounded into the output's type.
+template <typename T>
+static void RoundRows(const float* pooled, T* out, int64_t count,
+                      const Threads& t, int64_t threads) {
+  const int64_t units = UnitsFor(threads, count);
+  ParallelFor(t, threads, units, [&](int64_t u) {
+    for (int64_t i = UnitBegin(u, units, count); i < UnitBegin(u + 1, units, count); ++i) {
+      RoundInto(out + i, pooled[i], false, 0);
+    }
+  });
+}
+
 template <ffi::DataType kId>
 static ffi::Error BagForwardImpl(ffi::ThreadPool pool,
-                                 ffi::Buffer<ffi::F32> table,
+                                 ffi::AnyBuffer table,
                                  IdVector<kId> ids, BagVector bag,
                                  F32Vector weight, F32Vector scale,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> out,
+                                 ffi::Result<ffi::AnyBuffer> out,
                                  bool has_bag, bool has_weight, bool has_scale,
                                  int64_t length, int64_t threads,
                                  int64_t min_slots) {
@@ -132,6 +146,9 @@ static ffi::Error BagForwardImpl(ffi::ThreadPool pool,
   if (RowWidth(*out) != row) {
     return Invalid(kKernel, "output rows of " + Str(RowWidth(*out)) +
                                 " floats for table rows of " + Str(row));
+  }
+  if (out->element_type() != table.element_type()) {
+    return Invalid(kKernel, "an output of another element type than the table's");
   }
   if (has_bag && static_cast<int64_t>(bag.element_count()) != num_slots) {
     return Invalid(kKernel, "the bag array has " + Str(bag.element_count()) +
@@ -151,25 +168,38 @@ static ffi::Error BagForwardImpl(ffi::ThreadPool pool,
                                 Str(scale.element_count()) + " entries for " +
                                 Str(num_bags) + " bags");
   }
-  BagForward(table.typed_data(), num_rows, row, ids.typed_data(),
-             has_bag ? bag.typed_data() : nullptr,
-             has_weight ? weight.typed_data() : nullptr,
-             has_scale ? scale.typed_data() : nullptr, num_slots, num_bags,
-             has_bag ? 0 : length, out->typed_data(),
-             Threads{&pool, threads, min_slots});
-  return ffi::Error::Success();
+  const Threads t{&pool, threads, min_slots};
+  return WithTableType(kKernel, table.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    float* pooled = static_cast<float*>(out->untyped_data());
+    if constexpr (!std::is_same_v<T, float>) {  // pooled in float32 first
+      std::vector<float>& rows = ThreadScratch<float, kBagRows>();
+      if (static_cast<int64_t>(rows.size()) < num_bags * row) rows.resize(num_bags * row);
+      pooled = rows.data();
+    }
+    BagForward(static_cast<const T*>(table.untyped_data()), num_rows, row,
+               ids.typed_data(), has_bag ? bag.typed_data() : nullptr,
+               has_weight ? weight.typed_data() : nullptr,
+               has_scale ? scale.typed_data() : nullptr, num_slots, num_bags,
+               has_bag ? 0 : length, pooled, t);
+    if constexpr (!std::is_same_v<T, float>) {
+      RoundRows(pooled, static_cast<T*>(out->untyped_data()), num_bags * row, t,
+                t.For(num_slots));
+    }
+    return ffi::Error::Success();
+  });
 }
 
 template <ffi::DataType kId>
 static auto BagForwardBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()        // XLA's intra-op pool
-      .Arg<ffi::Buffer<ffi::F32>>()  // table [V, *row]
+      .Arg<ffi::AnyBuffer>()         // table [V, *row]: f32, bf16 or f16
       .Arg<IdVector<kId>>()          // ids [N]
       .template Arg<BagVector>()              // bag [N] or []
       .template Arg<F32Vector>()              // weight [N] or []
       .template Arg<F32Vector>()              // scale [B] or []
-      .template Ret<ffi::Buffer<ffi::F32>>()  // out [B, *row]
+      .template Ret<ffi::AnyBuffer>()         // out [B, *row], the table's type
       .template Attr<bool>("has_bag")
       .template Attr<bool>("has_weight")
       .template Attr<bool>("has_scale")

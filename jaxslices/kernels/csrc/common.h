@@ -235,7 +235,9 @@ inline IdMap& ThreadIdMap() {
 }
 
 // Scratch buffers reused between calls, one per (type, use) and thread.
-enum Scratch { kGroups, kApplyRows, kApplyIds, kParts, kSquares };
+enum Scratch {
+  kGroups, kApplyRows, kApplyIds, kParts, kSquares, kBagRows, kParamRow
+};
 
 template <typename T, Scratch use>
 std::vector<T>& ThreadScratch() {
@@ -251,10 +253,11 @@ constexpr int64_t kPrefetch = 8;
 // Slots [lo, hi) of `n` in the unit u of `units` (contiguous ranges).
 inline int64_t UnitBegin(int64_t u, int64_t units, int64_t n) { return u * n / units; }
 
-// Prefetch the cache lines of one row of `n` floats (for writing if `write`).
-inline void PrefetchRow(const float* p, int64_t n, bool write) {
+// Prefetch the cache lines of one row of `n` entries (for writing if `write`).
+template <typename T>
+inline void PrefetchRow(const T* p, int64_t n, bool write) {
   const char* c = reinterpret_cast<const char*>(p);
-  const int64_t bytes = n * static_cast<int64_t>(sizeof(float));
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
   for (int64_t b = 0; b < bytes; b += 64) {
     if (write) {
       __builtin_prefetch(c + b, 1, 3);
@@ -285,6 +288,169 @@ inline void Axpy(float* acc, const float* x, float f, int64_t r, bool first) {
   } else {
     for (int64_t k = 0; k < r; ++k) acc[k] += f * x[k];
   }
+}
+
+// ------------------------------------------- bfloat16 and float16 tables
+//
+// A table (and the parameters a rule reads) may be float32, bfloat16 or
+// float16; every sum and rule runs in float32. A low-precision entry is read
+// by widening its bits (exact) and written back rounded once, either to
+// nearest (ties to even, as XLA's convert) or stochastically, bit for bit as
+// jaxslices/_rounding.py (its docstring is the specification): the 32 random
+// bits of the entry in row r, column c whose float32 value has bits b are
+//   Mix32(Mix32(Mix32(Mix32(seed) ^ r_lo ^ Mix32(r_hi)) ^ c) ^ b)
+// with Mix32 MurmurHash3's finaliser (Austin Appleby, public domain). Only
+// integer operations and one float comparison whose every term is exact
+// (no product is added to anything, so no FMA contraction can change it).
+
+struct Bf16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+
+inline uint32_t FloatBits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof(b));
+  return b;
+}
+
+inline float BitsFloat(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, sizeof(x));
+  return x;
+}
+
+inline float Widen(float x) { return x; }
+inline float Widen(Bf16 x) { return BitsFloat(static_cast<uint32_t>(x.bits) << 16); }
+inline float Widen(F16 x) {
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
+  const uint32_t mag = x.bits & 0x7FFFu;
+  if (mag >= 0x7C00u) {  // inf, NaN (payload kept)
+    return BitsFloat(sign | 0x7F800000u | ((mag & 0x3FFu) << 13));
+  }
+  if (mag >= 0x0400u) return BitsFloat(sign | ((mag + (112u << 10)) << 13));
+  // Zero and subnormals: mag * 2^-24, exact in float32.
+  return BitsFloat(sign | FloatBits(static_cast<float>(mag) * 0x1p-24f));
+}
+
+// float32 -> bfloat16, to nearest (ties to even); NaN stays a (quiet) NaN.
+inline uint16_t NearestBf16(float x) {
+  const uint32_t b = FloatBits(x);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x40u);
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+// float32 -> float16, to nearest (ties to even), overflow to inf, subnormals
+// rounded on their 2^-24 grid; NaN stays a (quiet) NaN.
+inline uint16_t NearestF16(float x) {
+  const uint32_t b = FloatBits(x);
+  const uint32_t sign = (b >> 16) & 0x8000u;
+  const uint32_t a = b & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520
+  if (a >= 0x38800000u) {  // a normal float16 (>= 2^-14): rebias, round 13 bits
+    const uint32_t r = a - (112u << 23);
+    return static_cast<uint16_t>(sign | ((r + 0xFFFu + ((r >> 13) & 1u)) >> 13));
+  }
+  const uint32_t e = a >> 23;
+  if (e < 102) return static_cast<uint16_t>(sign);  // below 2^-25: zero
+  const uint32_t mant = (a & 0x7FFFFFu) | 0x800000u;
+  const uint32_t shift = 126 - e;  // 14 .. 24: units of 2^-24
+  uint32_t q = mant >> shift;
+  const uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  return static_cast<uint16_t>(sign | q);
+}
+
+inline uint32_t Mix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
+
+// The noise of one table row (seed_mixed = Mix32(seed)); then of an entry.
+inline uint32_t RowNoise(uint32_t seed_mixed, int64_t row) {
+  const uint64_t r = static_cast<uint64_t>(row);
+  return Mix32(seed_mixed ^ static_cast<uint32_t>(r) ^
+               Mix32(static_cast<uint32_t>(r >> 32)));
+}
+
+inline uint32_t EntryNoise(uint32_t row_noise, int64_t col, float x) {
+  return Mix32(Mix32(row_noise ^ static_cast<uint32_t>(col)) ^ FloatBits(x));
+}
+
+// Stochastic rounding of a finite x (non-finite values round to nearest:
+// the caller's RoundInto). bfloat16: the top half of |x| + (h & 0xFFFF),
+// never past the largest finite value.
+inline uint16_t StochasticBf16(float x, uint32_t h) {
+  const uint32_t b = FloatBits(x);
+  uint32_t up = ((b & 0x7FFFFFFFu) + (h & 0xFFFFu)) >> 16;
+  if (up > 0x7F7Fu) up = 0x7F7Fu;
+  return static_cast<uint16_t>(((b >> 16) & 0x8000u) | up);
+}
+
+// float16: up to the neighbour away from zero when u * (hi - lo) < |x| - lo,
+// u = (h >> 8) / 2^24 (hi - lo a power of two, |x| - lo exact: Sterbenz).
+inline uint16_t StochasticF16(float x, uint32_t h) {
+  const uint16_t nb = NearestF16(x);
+  const uint16_t sign = nb & 0x8000u;
+  const uint16_t mag = nb & 0x7FFFu;
+  const float ax = std::fabs(x);
+  const bool away = std::fabs(Widen(F16{nb})) > ax;
+  const uint16_t lo_mag = (away && mag != 0) ? static_cast<uint16_t>(mag - 1) : mag;
+  const uint16_t hi_mag = static_cast<uint16_t>(lo_mag + 1);
+  const float lo = Widen(F16{lo_mag}), hi = Widen(F16{hi_mag});
+  const float u = static_cast<float>(h >> 8) * 0x1p-24f;
+  const float step = u * (hi - lo);
+  const bool take_hi = step < ax - lo && hi_mag < 0x7C00u;
+  return static_cast<uint16_t>(sign | (take_hi ? hi_mag : lo_mag));
+}
+
+// Write float32 x into a table entry: to nearest, or stochastically with
+// the entry's noise h (then non-finite values to nearest: inf stays inf).
+inline void RoundInto(float* out, float x, bool, uint32_t) { *out = x; }
+inline void RoundInto(Bf16* out, float x, bool stochastic, uint32_t h) {
+  out->bits = stochastic && std::isfinite(x) ? StochasticBf16(x, h) : NearestBf16(x);
+}
+inline void RoundInto(F16* out, float x, bool stochastic, uint32_t h) {
+  out->bits = stochastic && std::isfinite(x) ? StochasticF16(x, h) : NearestF16(x);
+}
+
+// acc[0:R] (+)= f * x[0:R] for rows of any table type (read in float32).
+template <typename T>
+inline void AxpyFrom(float* acc, const T* x, float f, int64_t r, bool first) {
+  if (first) {
+    for (int64_t k = 0; k < r; ++k) acc[k] = f * Widen(x[k]);
+  } else {
+    for (int64_t k = 0; k < r; ++k) acc[k] += f * Widen(x[k]);
+  }
+}
+
+// Call f(T{}) with T the table type of `type` (float, Bf16, F16), or refuse.
+template <typename F>
+ffi::Error WithTableType(const char* kernel, ffi::DataType type, F&& f) {
+  switch (type) {
+    case ffi::DataType::F32: return f(float{});
+    case ffi::DataType::BF16: return f(Bf16{});
+    case ffi::DataType::F16: return f(F16{});
+    default:
+      return Invalid(kernel, "a table of element type " +
+                                 std::to_string(static_cast<int>(type)) +
+                                 " (the kernels take float32, bfloat16 and float16)");
+  }
+}
+
+// The output that aliases `in`, of any element type (see InPlace).
+template <typename T>
+T* InPlaceAny(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
+  if (in.untyped_data() != out->untyped_data() && in.size_bytes() > 0) {
+    std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
+  }
+  return static_cast<T*>(out->untyped_data());
 }
 
 // Sum each id's slots (grouped by `start`/`order`) into its row: row j goes

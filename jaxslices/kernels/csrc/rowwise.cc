@@ -6,7 +6,10 @@
 // them), the count, and optionally the squared norm of the summed rows.
 //
 // The rules mirror jaxslices' XLA rules (jaxslices/transforms) one for one;
-// the Python reference of each is what the tests compare with.
+// the Python reference of each is what the tests compare with. The
+// parameters a rule reads (FTRL, weight decay) may be a bfloat16 or float16
+// table: each row is read in float32; the state and the output rows are
+// float32 (the update is rounded into the table once, by the apply kernel).
 #include "common.h"
 
 namespace jaxslices {
@@ -201,10 +204,25 @@ static inline void ApplyRule(Rule rule, const Ctx& c, float* g, float* st,
   }
 }
 
-template <typename IdT>
+// Row `id` of the parameters in float32: in place for a float32 table,
+// else widened into this thread's scratch row.
+template <typename P>
+static inline const float* ParamRow(const P* params, int64_t id, int64_t row) {
+  if constexpr (std::is_same_v<P, float>) {
+    return params + id * row;
+  } else {
+    std::vector<float>& buf = ThreadScratch<float, kParamRow>();
+    if (static_cast<int64_t>(buf.size()) < row) buf.resize(row);
+    const P* p = params + id * row;
+    for (int64_t k = 0; k < row; ++k) buf[k] = Widen(p[k]);
+    return buf.data();
+  }
+}
+
+template <typename IdT, typename P>
 static void Rowwise(const Recipe<IdT>& r, Rule rule, const Ctx& c,
                     bool coalesced, bool want_sumsq, int64_t num_rows,
-                    const float* params, float* state, int64_t state_row,
+                    const P* params, float* state, int64_t state_row,
                     IdT* uids, float* rows, int64_t capacity,
                     int32_t* count_out, float* sumsq_out, const Threads& t) {
   int64_t total = 0;
@@ -227,7 +245,7 @@ static void Rowwise(const Recipe<IdT>& r, Rule rule, const Ctx& c,
     if (rule == Rule::kCoalesce) return;
     int64_t id = static_cast<int64_t>(uids[j]);
     float* st = state ? state + id * state_row : nullptr;
-    const float* p = params ? params + id * r.row : nullptr;
+    const float* p = params ? ParamRow(params, id, r.row) : nullptr;
     ApplyRule(rule, c, g, st, p);
   };
   // Prefetch the state (and params) rows of distinct id j: known once the
@@ -267,7 +285,7 @@ static void Rowwise(const Recipe<IdT>& r, Rule rule, const Ctx& c,
 // (width as RuleShape says; absent: an empty buffer).
 static ffi::Error CheckRuleBuffers(Rule rule, int64_t row, int64_t num_rows,
                                    const F32Vector& hp,
-                                   const ffi::Buffer<ffi::F32>& params,
+                                   const ffi::AnyBuffer& params,
                                    const ffi::Buffer<ffi::F32>& state) {
   constexpr const char* kKernel = "rowwise";
   const RuleShape shape = ShapeOf(rule);
@@ -302,7 +320,7 @@ static ffi::Error CheckRuleBuffers(Rule rule, int64_t row, int64_t num_rows,
 template <ffi::DataType kId>
 static ffi::Error RowwiseImpl(
     ffi::ThreadPool pool, F32Rows src, IdVector<kId> ids, BagVector bag, F32Vector weight,
-    ffi::BufferR0<ffi::F32> scale, F32Vector hp, ffi::Buffer<ffi::F32> params,
+    ffi::BufferR0<ffi::F32> scale, F32Vector hp, ffi::AnyBuffer params,
     ffi::Buffer<ffi::F32> state, ffi::Result<ffi::Buffer<ffi::F32>> state_out,
     ffi::ResultBufferR1<kId> uids, ffi::ResultBufferR2<ffi::F32> rows,
     ffi::ResultBufferR0<ffi::S32> count, ffi::ResultBufferR0<ffi::F32> sumsq,
@@ -336,12 +354,15 @@ static ffi::Error RowwiseImpl(
   const RuleShape shape = ShapeOf(rule);
   float* st = shape.state_rows != 0 ? InPlace(state, state_out) : nullptr;
   Ctx c{row, hp.typed_data(), nesterov, sqrt_power};
-  Rowwise(r, rule, c, coalesced, want_sumsq, num_rows,
-          shape.uses_params ? params.typed_data() : nullptr, st,
-          st ? RowWidth(state) : 0, uids->typed_data(), rows->typed_data(),
-          capacity, count->typed_data(), sumsq->typed_data(),
-          Threads{&pool, threads, min_slots});
-  return ffi::Error::Success();
+  return WithTableType(kKernel, params.element_type(), [&](auto tag) {
+    using P = decltype(tag);
+    Rowwise(r, rule, c, coalesced, want_sumsq, num_rows,
+            shape.uses_params ? static_cast<const P*>(params.untyped_data()) : nullptr,
+            st, st ? RowWidth(state) : 0, uids->typed_data(), rows->typed_data(),
+            capacity, count->typed_data(), sumsq->typed_data(),
+            Threads{&pool, threads, min_slots});
+    return ffi::Error::Success();
+  });
 }
 
 template <ffi::DataType kId>
@@ -354,7 +375,7 @@ static auto RowwiseBinding() {
       .template Arg<F32Vector>()                // weight [N] or []
       .template Arg<ffi::BufferR0<ffi::F32>>()  // scale
       .template Arg<F32Vector>()                // hp [H]
-      .template Arg<ffi::Buffer<ffi::F32>>()    // params [V, *row] or []
+      .template Arg<ffi::AnyBuffer>()           // params [V, *row] (f32, bf16, f16) or []
       .template Arg<ffi::Buffer<ffi::F32>>()    // state [V, *srow] or []
       .template Ret<ffi::Buffer<ffi::F32>>()    // state (aliased)
       .template Ret<ffi::BufferR1<kId>>()       // uids [K]
