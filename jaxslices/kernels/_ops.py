@@ -413,7 +413,7 @@ def _apply_rounded(table, values, safe, seed, coalesced, stochastic):
     """A bfloat16/float16 table plus float32 rows ``[N, R]``, rounded once per row.
 
     Duplicates summed in float32 (slot order), each touched row read and
-    added in float32, written back rounded (:func:`_rounding.round_rows`).
+    added in float32, written back rounded (:func:`_rounding.round_to`).
     """
     num_rows = table.shape[0]
     if values.shape[0] == 0:
@@ -424,9 +424,8 @@ def _apply_rounded(table, values, safe, seed, coalesced, stochastic):
         summed, uids, _ = _coalesce.coalesce_rows(values, safe, num_rows, "auto")
     gather = {"mode": "fill", "fill_value": 0, "unique_indices": True}
     old = flat_rows(table.at[uids].get(**gather)).astype(jnp.float32)
-    new = _rounding.round_rows(
-        old + summed, table.dtype, uids, stochastic=stochastic, seed=seed
-    )
+    total = old + summed
+    new = _rounding.round_to(total, table.dtype, stochastic=stochastic, seed=seed)
     new = new.reshape((-1, *table.shape[1:]))
     return table.at[uids].set(new, mode="drop", unique_indices=True)
 

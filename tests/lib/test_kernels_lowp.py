@@ -127,23 +127,29 @@ def test_rounding_is_bitwise_xlas_on_every_pattern_and_any_total(dtype, stochast
 
 @pytest.mark.parametrize("dtype", LOW)
 def test_stochastic_rounding_on_the_native_path_is_unbiased(dtype):
-    """A tenth of an ulp added to 4096 equal entries: about a tenth round up."""
-    table = jnp.ones((256, 16), dtype)
-    ulp = float(jnp.finfo(dtype).eps)
-    ids = jnp.arange(256, dtype=jnp.int32)
-    values = jnp.full((256, 16), 0.1 * ulp, jnp.float32)
-    out = jax.jit(
-        lambda t: _ops.apply(
-            t, Recipe.of_rows(values), ids, sum_duplicates=True, stochastic=True
+    """A tenth of an ulp added to 1024 distinct entries, with 4 seeds (the
+    noise hashes the value and the seed): about a tenth round up."""
+    mant = int(jnp.finfo(dtype).nmant)
+    j = np.arange(128)
+    w = (2.0 ** np.arange(-4, 4)[:, None] * (1 + j / 128)).ravel()
+    ulp = 2.0 ** np.floor(np.log2(w)) * 2.0**-mant
+    table = jnp.asarray(w.reshape(64, 16), dtype)
+    ids = jnp.arange(64, dtype=jnp.int32)
+    values = jnp.asarray((0.1 * ulp).reshape(64, 16), jnp.float32)
+    apply = jax.jit(
+        lambda t, s: _ops.apply(
+            t, Recipe.of_rows(values), ids, sum_duplicates=True, stochastic=True,
+            seed=s,
         )
-    )(table)
-    up = float(jnp.mean(out.astype(jnp.float32) > 1.0))
+    )  # fmt: skip
+    outs = [apply(table, jnp.uint32(s)) for s in range(4)]
+    up = np.mean([np.asarray(o.astype(jnp.float32)).ravel() > w for o in outs])
     # Binomial(4096, 0.1): sd 0.0047; 5 sd either side.
     assert abs(up - 0.1) < 0.024, up
     nearest = jax.jit(
         lambda t: _ops.apply(t, Recipe.of_rows(values), ids, sum_duplicates=True)
     )(table)
-    np.testing.assert_array_equal(np.asarray(nearest, np.float32), 1.0)
+    np.testing.assert_array_equal(np.asarray(nearest, np.float32).ravel(), w)
 
 
 # ---------------------------------------------------------------- apply

@@ -116,10 +116,9 @@ static void ApplyRounded(const Recipe<IdT>& r, T* table, int64_t num_rows,
     const int64_t id = static_cast<int64_t>(u[j]);
     T* row = table + id * R;
     const float* a = rows + j * R;
-    const uint32_t noise = stochastic ? RowNoise(seed_mixed, id) : 0u;
     for (int64_t k = 0; k < R; ++k) {
       const float x = Widen(row[k]) + a[k];
-      RoundInto(row + k, x, stochastic, stochastic ? EntryNoise(noise, k, x) : 0u);
+      RoundInto(row + k, x, stochastic, stochastic ? ValueNoise(seed_mixed, x) : 0u);
     }
   };
   const int64_t threads = t.For(r.num_slots);

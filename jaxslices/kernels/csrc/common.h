@@ -297,9 +297,9 @@ inline void Axpy(float* acc, const float* x, float f, int64_t r, bool first) {
 // by widening its bits (exact) and written back rounded once, either to
 // nearest (ties to even, as XLA's convert) or stochastically, bit for bit as
 // jaxslices/_rounding.py (its docstring is the specification): the 32 random
-// bits of the entry in row r, column c whose float32 value has bits b are
-//   Mix32(Mix32(Mix32(Mix32(seed) ^ r_lo ^ Mix32(r_hi)) ^ c) ^ b)
-// with Mix32 MurmurHash3's finaliser (Austin Appleby, public domain). Only
+// bits of an entry whose float32 value has bits b are Mix32(Mix32(seed) ^ b)
+// with Mix32 MurmurHash3's finaliser (Austin Appleby, public domain): the
+// value and the seed only, not the row, so every layout rounds alike. Only
 // integer operations and one float comparison whose every term is exact
 // (no product is added to anything, so no FMA contraction can change it).
 
@@ -372,15 +372,9 @@ inline uint32_t Mix32(uint32_t h) {
   return h ^ (h >> 16);
 }
 
-// The noise of one table row (seed_mixed = Mix32(seed)); then of an entry.
-inline uint32_t RowNoise(uint32_t seed_mixed, int64_t row) {
-  const uint64_t r = static_cast<uint64_t>(row);
-  return Mix32(seed_mixed ^ static_cast<uint32_t>(r) ^
-               Mix32(static_cast<uint32_t>(r >> 32)));
-}
-
-inline uint32_t EntryNoise(uint32_t row_noise, int64_t col, float x) {
-  return Mix32(Mix32(row_noise ^ static_cast<uint32_t>(col)) ^ FloatBits(x));
+// The noise of an entry whose float32 value is x (seed_mixed = Mix32(seed)).
+inline uint32_t ValueNoise(uint32_t seed_mixed, float x) {
+  return Mix32(seed_mixed ^ FloatBits(x));
 }
 
 // Stochastic rounding of a finite x (non-finite values round to nearest:
