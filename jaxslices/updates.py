@@ -124,10 +124,10 @@ def apply_updates(
              [0., 0.]], dtype=float32)
     """
     _leaves.check_structure(_WHERE, params, "params", updates, "updates")
-    if stochastic_rounding not in (None, True, False):
+    if not (stochastic_rounding is None or isinstance(stochastic_rounding, bool)):
         raise TypeError(
-            f"{_WHERE}: `stochastic_rounding` must be None, True or False; got "
-            f"{stochastic_rounding!r}."
+            f"{_WHERE}: `stochastic_rounding` must be None, True or False (a "
+            f"Python value: it chooses the program); got {stochastic_rounding!r}."
         )
     seed = _rounding.seed_from(key)
     return jax.tree_util.tree_map_with_path(

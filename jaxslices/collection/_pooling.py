@@ -440,7 +440,7 @@ def _native(table, gids, b) -> bool:
     if b.pieces > 1:
         kernel_path.note(f"{WHERE} buffer {b.name!r}", "column-wise pieces")
         return False
-    native = kernel_path.route(f"{WHERE} buffer {b.name!r}", table, gids)
+    native = kernel_path.route(f"{WHERE} buffer {b.name!r}", gids, tables=(table,))
     expected = _tape.expects_pooled(table)  # this value_and_grad's first path
     return native if expected is None else expected
 

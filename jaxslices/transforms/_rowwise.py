@@ -265,7 +265,7 @@ def check_stochastic_rounding(value: Any, where: str) -> None:
     if not (value is None or isinstance(value, bool)):
         raise TypeError(
             f"jaxslices.{where}: `stochastic_rounding` must be None, True or "
-            f"False; got {value!r}."
+            f"False (a Python value: it chooses the program); got {value!r}."
         )
 
 
