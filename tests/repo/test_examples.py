@@ -222,3 +222,30 @@ def test_managed_ids_compares_the_ways(tmp_path):
         assert 0.0 < row["log_loss_all"] < 1.0, summary
     assert (tmp_path / "managed_ids.json").exists()
     assert (tmp_path / "managed_ids.png").exists()
+
+
+@needs_recbole
+def test_low_precision_compares_the_precisions(tmp_path):
+    """MovieLens and the DLRM, float32 / bf16 nearest / bf16 stochastic: the
+    tables are half the bytes, every variant learns, plot and JSON written."""
+    r = importlib.import_module("low_precision").main(
+        epochs=1, max_steps=15, dlrm_steps=4, dlrm_scale=1 / 4096, dlrm_batch=32,
+        dlrm_dim=8, out=str(tmp_path), progress=False,
+    )  # fmt: skip
+    v = r["variants"]
+    assert set(v) == {"float32", "bf16_nearest", "bf16_stochastic",
+                      "bf16_stochastic_f32_state"}  # fmt: skip
+    f32 = sum(v["float32"]["table_bytes"].values())
+    assert sum(v["bf16_stochastic"]["table_bytes"].values()) * 2 == f32
+    assert (
+        v["bf16_stochastic"]["optimizer_state_bytes"] * 2
+        == (v["bf16_stochastic_f32_state"]["optimizer_state_bytes"])
+    )
+    for x in v.values():
+        assert math.isfinite(x["test_rmse"]) and x["losses"][-1] < x["losses"][0]
+    assert (
+        r["dlrm"]["bf16_stochastic"]["table_bytes"] * 2
+        == (r["dlrm"]["float32"]["table_bytes"])
+    )
+    assert (tmp_path / "low_precision.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "low_precision.json").read_text())["settings"]
