@@ -116,10 +116,7 @@ static void ApplyRounded(const Recipe<IdT>& r, T* table, int64_t num_rows,
     const int64_t id = static_cast<int64_t>(u[j]);
     T* row = table + id * R;
     const float* a = rows + j * R;
-    for (int64_t k = 0; k < R; ++k) {
-      const float x = Widen(row[k]) + a[k];
-      RoundInto(row + k, x, stochastic, stochastic ? ValueNoise(seed_mixed, x) : 0u);
-    }
+    AddRoundRow(row, a, R, stochastic, seed_mixed);
   };
   const int64_t threads = t.For(r.num_slots);
   if (coalesced) {  // distinct ids: the rows are not prefetched ahead
