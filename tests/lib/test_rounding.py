@@ -210,7 +210,7 @@ def test_float32_tables_are_unaffected():
 def test_bad_settings_say_what_was_given():
     p = {"t": jnp.ones((4, 2), jnp.bfloat16)}
     u = {"t": jnp.zeros((4, 2))}
-    bad = r"`stochastic_rounding` must be None, True or False \(a Python value.*got 'yes'"
+    bad = r"`stochastic_rounding` must be None, True or False \(a Python.*got 'yes'"
     with pytest.raises(TypeError, match=bad):
         js.apply_updates(p, u, stochastic_rounding="yes")
     with pytest.raises(TypeError, match=r"`key` must be an integer.*dtype float32"):
