@@ -38,10 +38,19 @@ def _neighbours(x: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
     return np.where(exact, x, lo), np.where(exact, x, hi)
 
 
-def _round(x, dtype, seed=0):
-    x = jnp.asarray(x, jnp.float32)
+@functools.partial(jax.jit, static_argnums=1)
+def _round_jit(x, dtype, seed):
     out = _rounding.round_to(x, dtype, stochastic=True, seed=_rounding.seed_from(seed))
-    return np.asarray(out.astype(jnp.float32))
+    return out.astype(jnp.float32)
+
+
+def _round(x, dtype, seed=0):
+    """``x`` rounded stochastically (padded to 64 entries: one compilation)."""
+    x = np.asarray(x, np.float32)
+    n = x.size
+    flat = np.zeros(max(64, n), np.float32)
+    flat[:n] = x.ravel()
+    return np.asarray(_round_jit(flat, dtype, seed))[:n].reshape(x.shape)
 
 
 def _round_per_key(x, dtype, keys: int):
@@ -287,14 +296,14 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_every_optimizer_trains_a_bf16_table_like_float32(name):
-    """A bf16 table and bf16 state, rounded stochastically: 30 steps of a
+    """A bf16 table and bf16 state, rounded stochastically: 20 steps of a
     least-squares embedding problem end within bf16 resolution of the
-    float32 run of the same optimizer, state dtypes kept; every state
-    written with round to nearest too."""
+    float32 run of the same optimizer, state dtypes kept (two optimizers
+    also with round to nearest)."""
     V, D, N = 32, 8, 64
     rng = np.random.default_rng(2)
     target = jnp.asarray(rng.normal(size=(V, D)), jnp.float32)
-    batches = [jnp.asarray(rng.integers(0, V, N), jnp.int32) for _ in range(30)]
+    batches = [jnp.asarray(rng.integers(0, V, N), jnp.int32) for _ in range(20)]
 
     def loss(table, ids):
         rows = js.embedding_lookup(table, ids, dtype=jnp.float32)
@@ -316,7 +325,7 @@ def test_every_optimizer_trains_a_bf16_table_like_float32(name):
         return params["t"].astype(jnp.float32), state
 
     ref, _ = run(jnp.float32, None)
-    for sr in (None, False):
+    for sr in (None, False) if name in ("adagrad", "lazy_adam") else (None,):
         got, state = run(jnp.bfloat16, sr)
         assert got.dtype == jnp.float32
         err = float(jnp.max(jnp.abs(got - ref)))

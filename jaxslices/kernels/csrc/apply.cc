@@ -119,8 +119,28 @@ static void ApplyRounded(const Recipe<IdT>& r, T* table, int64_t num_rows,
     AddRoundRow(row, a, R, stochastic, seed_mixed);
   };
   const int64_t threads = t.For(r.num_slots);
-  if (coalesced) {  // distinct ids: the rows are not prefetched ahead
-    Coalesce(r, num_rows, true, r.num_slots, rows, u, &total, add_row, &t, threads);
+  if (coalesced) {  // distinct ids: each slot's row added and rounded in turn
+    const int64_t n = r.num_slots, units = UnitsFor(threads, n);
+    ParallelFor(t, threads, units, [&](int64_t unit) {
+      const int64_t lo = UnitBegin(unit, units, n), hi = UnitBegin(unit + 1, units, n);
+      auto rows_of = r.cursor_at(lo);
+      std::vector<float> a(R);
+      for (int64_t s = lo; s < hi; ++s) {
+        if (s + kPrefetch < hi) {
+          const IdT ahead = r.ids[s + kPrefetch];
+          if (ahead >= 0 && ahead < num_rows) {
+            PrefetchRow(table + static_cast<int64_t>(ahead) * R, R, true);
+          }
+        }
+        const float* x = rows_of.next();
+        const IdT id = r.ids[s];
+        if (id < 0 || id >= num_rows) continue;
+        if (x) Axpy(a.data(), x, r.factor(s), R, true);
+        else std::fill(a.begin(), a.end(), 0.0f);
+        AddRoundRow(table + static_cast<int64_t>(id) * R, a.data(), R, stochastic,
+                    seed_mixed);
+      }
+    });
     return;
   }
   Coalesce(

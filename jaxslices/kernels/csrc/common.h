@@ -11,6 +11,7 @@
 // src[s] (length 0); without weights, weight[s] = 1.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
