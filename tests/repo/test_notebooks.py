@@ -23,13 +23,14 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.i
 RERUN = "run `python tools/execute_notebooks.py {}` and commit the notebook"
 
 
-def test_there_are_five_notebooks():
+def test_there_are_six_notebooks():
     assert [p.name for p in NOTEBOOKS] == [
         "01_indexed_slices.ipynb",
         "02_movielens.ipynb",
         "03_word2vec.ipynb",
         "04_flax_nnx.ipynb",
         "05_dlrm.ipynb",
+        "06_managed_ids.ipynb",
     ]
 
 
