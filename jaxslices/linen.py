@@ -237,3 +237,115 @@ class EmbeddingCollection(nn.Module):
 
 
 __all__ += ["EmbeddingCollection"]
+
+
+# -- managed-collision tables (issue 37) ---------------------------------------
+# A separate block: a bag layer over a ManagedCollision table (docs/managed.md).
+
+from . import embedding as _embedding  # noqa: E402
+from . import managed as _managed  # noqa: E402
+
+
+class ManagedEmbedBag(nn.Module):
+    """A bag layer over a managed-collision table: raw ids in, pooled rows out.
+
+    Holds the table, the ``"embedding"`` parameter (``[num_slots,
+    features]``), and its :class:`jaxslices.RemapState`, the variable
+    ``"state"`` of the ``"remap"`` collection (an ordinary pytree of arrays:
+    checkpointed with the variables, never differentiated). A training step
+    calls it twice, as the managed-collision rule orders (remap, then reset
+    the evicted rows, then read the table; ``docs/managed.md``):
+
+    * ``model.apply(variables, raw_ids, method="remap", mutable=["remap"])``
+      remaps the raw ids (any integer dtype, or :class:`jaxslices.RawIds`):
+      ``((rows, evicted), {"remap": new state})``;
+    * :func:`jaxslices.reset_rows` re-initialises the ``evicted`` rows of
+      ``params["embedding"]`` and of the optimizer state;
+    * ``model.apply({"params": params}, rows)`` pools the rows
+      (:func:`jaxslices.embedding_bag`; a row ``num_slots``, an id given no
+      row, reads nothing and is not counted by ``"mean"``), so under
+      :func:`jaxslices.value_and_grad` the table's gradient is an
+      :class:`~jaxslices.IndexedSlices`.
+
+    Attributes:
+      manager: the :class:`jaxslices.ManagedCollision` (its ``num_slots`` is
+        the table's rows).
+      features: the rows' width.
+      combiner: ``"mean"``, ``"sum"`` or ``"sqrtn"``.
+      embedding_init, param_dtype: as ``flax.linen.Embed``'s.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxslices as js, jaxslices.linen
+      >>> mc = js.ManagedCollision("items", num_slots=8)
+      >>> model = jaxslices.linen.ManagedEmbedBag(mc, features=4)
+      >>> raw = jnp.array([[10**9, 7], [7, -1]])
+      >>> variables = model.init(jax.random.key(0), raw, method="remap")
+      >>> (rows, evicted), remap = model.apply(
+      ...     variables, raw, method="remap", mutable=["remap"])
+      >>> rows.tolist()  # -1 is a raw id too (as 2**64 - 1)
+      [[1, 0], [0, 2]]
+      >>> model.apply({"params": variables["params"]}, rows).shape
+      (2, 4)
+    """
+
+    manager: _managed.ManagedCollision
+    features: int
+    combiner: str = "mean"
+    embedding_init: Callable[..., Any] = nn.linear.default_embed_init
+    param_dtype: Any = jnp.float32
+
+    def setup(self) -> None:
+        if not isinstance(self.manager, _managed.ManagedCollision):
+            raise TypeError(
+                f"{_MANAGED}: `manager` must be a jaxslices.ManagedCollision, got "
+                f"{type(self.manager).__name__}."
+            )
+        if self.combiner not in ("mean", "sum", "sqrtn"):
+            raise ValueError(
+                f"{_MANAGED}: `combiner` must be 'mean', 'sum' or 'sqrtn', got "
+                f"{self.combiner!r}."
+            )
+        self.embedding = self.param(
+            "embedding",
+            self.embedding_init,
+            (self.manager.num_slots, self.features),
+            self.param_dtype,
+        )
+        # the lookup alone (``{"params": ...}``) needs no remap state
+        if self.is_initializing() or self.has_variable("remap", "state"):
+            self.state = self.variable("remap", "state", self.manager.init)
+        else:
+            self.state = None
+
+    def remap(self, raw_ids: Any, mask: Any = None) -> tuple[jax.Array, jax.Array]:
+        """Raw ids to rows, admitting and evicting: ``(rows, evicted)``.
+
+        Updates the ``"remap"`` collection, which must be mutable
+        (``mutable=["remap"]``); ``rows`` and ``evicted`` as
+        :meth:`jaxslices.ManagedCollision.remap` returns them.
+        """
+        if self.state is None:
+            raise ValueError(
+                f"{_MANAGED}.remap needs the remap state: pass the variables "
+                "with their 'remap' collection (model.init makes it)."
+            )
+        rows, new_state, evicted = self.manager.remap(self.state.value, raw_ids, mask)
+        if not self.is_initializing():
+            if not self.is_mutable_collection("remap"):
+                raise ValueError(
+                    f"{_MANAGED}.remap changes the remap state: call it with "
+                    "model.apply(variables, raw_ids, method='remap', "
+                    "mutable=['remap'])."
+                )
+            self.state.value = new_state
+        return rows, evicted
+
+    def __call__(self, rows: Any) -> jax.Array:
+        """Pool remapped ``rows`` (``[..., L]``, from :meth:`remap`):
+        ``[..., features]``."""
+        return _embedding.embedding_bag(self.embedding, rows, combiner=self.combiner)
+
+
+_MANAGED = "jaxslices.linen.ManagedEmbedBag"
+
+__all__ += ["ManagedEmbedBag"]

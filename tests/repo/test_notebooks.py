@@ -30,6 +30,7 @@ def test_there_are_the_notebooks():
         "03_word2vec.ipynb",
         "04_flax_nnx.ipynb",
         "05_dlrm.ipynb",
+        "06_managed_ids.ipynb",
         "07_low_precision.ipynb",
     ]
 
