@@ -196,9 +196,9 @@ def trace(
 
     Args:
       decay: the momentum coefficient (``momentum`` of :func:`jaxslices.sgd`).
-      nesterov, accumulator_dtype, coalesce_method, max_distinct,
-        stochastic_rounding: as in
+      nesterov, accumulator_dtype, coalesce_method, max_distinct: as in
         :func:`jaxslices.sgd`.
+      stochastic_rounding: as in :func:`jaxslices.sgd`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -410,9 +410,9 @@ def scale_by_rss(
     accumulator rows they touch are gathered, updated and scattered back.
 
     Args:
-      initial_accumulator_value, eps, coalesce_method, max_distinct,
-        stochastic_rounding: as in
+      initial_accumulator_value, eps, coalesce_method, max_distinct: as in
         :func:`jaxslices.adagrad`.
+      stochastic_rounding: as in :func:`jaxslices.adagrad`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -507,9 +507,9 @@ def scale_by_rowwise_rss(
     are coalesced first; only the touched rows' accumulators change.
 
     Args:
-      initial_accumulator_value, eps, coalesce_method, max_distinct,
-        stochastic_rounding: as in
+      initial_accumulator_value, eps, coalesce_method, max_distinct: as in
         :func:`jaxslices.rowwise_adagrad`.
+      stochastic_rounding: as in :func:`jaxslices.rowwise_adagrad`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -672,9 +672,9 @@ def scale_by_lazy_adam(
     rows get an update.
 
     Args:
-      b1, b2, eps, eps_root, mu_dtype, nesterov, coalesce_method, max_distinct,
-        stochastic_rounding:
+      b1, b2, eps, eps_root, mu_dtype, nesterov, coalesce_method, max_distinct:
         as in :func:`jaxslices.lazy_adam`.
+      stochastic_rounding: as in :func:`jaxslices.lazy_adam`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
