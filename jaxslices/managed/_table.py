@@ -399,6 +399,28 @@ class ManagedCollision:
         return _evict(self, state)
 
 
+LAYER_COMBINERS = ("mean", "sum", "sqrtn")
+
+
+def check_layer(where: str, manager: Any, combiner: str) -> None:
+    """A managed bag layer's arguments (the NNX, Linen and Equinox layers).
+
+    Example:
+      >>> import jaxslices as js
+      >>> from jaxslices.managed._table import check_layer
+      >>> check_layer("Layer", js.ManagedCollision("t", num_slots=4), "sum")
+    """
+    if not isinstance(manager, ManagedCollision):
+        raise TypeError(
+            f"{where}: `manager` must be a jaxslices.ManagedCollision, got "
+            f"{type(manager).__name__}."
+        )
+    if combiner not in LAYER_COMBINERS:
+        raise ValueError(
+            f"{where}: `combiner` must be 'mean', 'sum' or 'sqrtn', got {combiner!r}."
+        )
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _remap(
     mc: ManagedCollision, state: RemapState, raw: RawIds, valid: jax.Array
