@@ -16,7 +16,10 @@ and ids keep arriving). Configurations, interleaved:
   (no training step).
 
 The remap state starts full (``num_rows`` distinct ids admitted), then
-``warmup_batches`` of the stream: every configuration evicts for real.
+``warmup_batches`` of the stream. The remapping configurations then read
+fresh batches of the stream, one per call (never a batch seen before), so
+that every evicting step evicts for real (``evictions_per_step`` in the
+workload: the ids the evicting step evicted per call, on average).
 The path is the native one where the kernels load (``jaxslices.kernels``);
 ``JAXSLICES_NATIVE=0`` runs the XLA path.
 
@@ -85,6 +88,8 @@ def main(
     for raw in batches:
         r, _, _ = warm.remap(remap_state, raw)
         rows.append(r)
+    # one fresh batch per call of a remapping configuration (warmup included)
+    stream = [draw() for _ in range(passes * (steps + 1))]
     y = jnp.asarray(rng.normal(size=batch), jnp.float32)
 
     def loss(params, rows):
@@ -125,7 +130,7 @@ def main(
 
     fns["pre_remapped"] = run_plain
     for name, mc in managers.items():
-        step, cycle = remapped(mc), itertools.cycle(batches)
+        step, cycle = remapped(mc), iter(stream)
         live[name] = (*fresh(), jax.tree.map(jnp.copy, remap_state))
 
         def run(name=name, step=step, cycle=cycle):
@@ -140,7 +145,7 @@ def main(
 
     evict = jax.jit(evict_refill, donate_argnums=0)
     full = {"state": jax.tree.map(jnp.copy, remap_state)}
-    cycle_fill = itertools.cycle(batches)
+    cycle_fill = iter(stream)
 
     def run_evict():
         # evict (on demand) down to `batch * bag` free slots, then refill
@@ -148,7 +153,9 @@ def main(
 
     fns["evict_then_refill"] = run_evict
     env = environment()
+    evictions_before = int(live["with_remap_evicting"][2].evictions)
     times = interleave(fns, steps, passes)
+    evicted = int(live["with_remap_evicting"][2].evictions) - evictions_before
     report = timed_report(
         env,
         {
@@ -161,6 +168,7 @@ def main(
             "num_batches": num_batches,
             "steps": steps,
             "passes": passes,
+            "evictions_per_step": evicted / len(stream),
         },
         times,
     )

@@ -526,6 +526,7 @@ def multi_transform(
 
 from . import embedding as _embedding  # noqa: E402
 from . import managed as _managed  # noqa: E402
+from .managed._table import check_layer  # noqa: E402
 
 _MANAGED = "jaxslices.equinox.ManagedEmbeddingBag"
 
@@ -586,16 +587,7 @@ class ManagedEmbeddingBag(eqx.Module):
         combiner: str = "mean",
         key: Any = None,
     ) -> None:
-        if not isinstance(manager, _managed.ManagedCollision):
-            raise TypeError(
-                f"{_MANAGED}: `manager` must be a jaxslices.ManagedCollision, got "
-                f"{type(manager).__name__}."
-            )
-        if combiner not in ("mean", "sum", "sqrtn"):
-            raise ValueError(
-                f"{_MANAGED}: `combiner` must be 'mean', 'sum' or 'sqrtn', got "
-                f"{combiner!r}."
-            )
+        check_layer(_MANAGED, manager, combiner)
         table = eqx.nn.Embedding(
             None if weight is not None else manager.num_slots,
             embedding_size,

@@ -244,6 +244,7 @@ __all__ += ["EmbeddingCollection"]
 
 from . import embedding as _embedding  # noqa: E402
 from . import managed as _managed  # noqa: E402
+from .managed._table import check_layer  # noqa: E402
 
 
 class ManagedEmbedBag(nn.Module):
@@ -295,16 +296,7 @@ class ManagedEmbedBag(nn.Module):
     param_dtype: Any = jnp.float32
 
     def setup(self) -> None:
-        if not isinstance(self.manager, _managed.ManagedCollision):
-            raise TypeError(
-                f"{_MANAGED}: `manager` must be a jaxslices.ManagedCollision, got "
-                f"{type(self.manager).__name__}."
-            )
-        if self.combiner not in ("mean", "sum", "sqrtn"):
-            raise ValueError(
-                f"{_MANAGED}: `combiner` must be 'mean', 'sum' or 'sqrtn', got "
-                f"{self.combiner!r}."
-            )
+        check_layer(_MANAGED, self.manager, self.combiner)
         self.embedding = self.param(
             "embedding",
             self.embedding_init,

@@ -46,8 +46,12 @@ different high words sorts the pairs instead), ``N`` binary searches, and, in
 steps that admit, a merge of the admitted ids into the sorted copy: ``O(S)``
 element-wise work and scatters, no sort (a ``lax.cond``: skipped in steps that
 admit nothing). Eviction finds the lowest scores by three binary searches on
-the score values (``O(S)`` counts each, no sort) and compacts the sorted copy
-(``O(S)``). Measured figures: ``docs/managed.md``.
+the score values (``O(S)`` counts each, no sort), compacts the small copy of
+recent admissions (``O(K)``) and marks the evicted ids' entries of the main
+sorted copy as stale (a binary search each; *lazy deletion*: a stale entry
+keeps its id, so the copy stays sorted, and slot ``S``, so lookups skip it),
+leaving them in place until the next merge into the main copy, which drops
+them. Measured figures: ``docs/managed.md``.
 
 The state's counters (``admissions``, ``evictions``, ``defaulted``, per-slot
 ``counts``, ``step``) are ``int32`` and saturate at ``2**31 - 1``.
@@ -93,7 +97,12 @@ class RemapState(NamedTuple):
       last_seen: ``int32[S]``, the ``step`` of its last lookup.
       sorted_hi, sorted_lo, sorted_slots: ``[S]``, the *main* sorted copy:
         tracked ids sorted by low word, then high word, and their slots, in
-        the first ``occupancy - num_recent`` entries (zeros after them).
+        the first ``occupancy - num_recent + num_stale`` entries (zeros after
+        them). ``num_stale`` of them are *stale*: ids evicted since the
+        last merge into this copy, kept in place (so the copy stays sorted
+        and an eviction does not move ``O(S)`` entries) with slot ``S``; a
+        lookup that finds one reads it as absent, and the next merge into
+        the main copy drops them.
       recent_hi, recent_lo, recent_slots: ``[K]`` (``K`` the table's
         ``recent_size``), the ids admitted since the last flush, sorted the
         same way, in the first ``num_recent`` entries (zeros after them).
@@ -101,6 +110,7 @@ class RemapState(NamedTuple):
         (``O(K)``), which is merged into the main copy (``O(S)``) only when
         a batch might not fit in it.
       num_recent: ``int32``, the entries of the recent copy.
+      num_stale: ``int32``, the stale entries of the main copy.
       free_slots: ``int32[S]``, a stack: the free slots are
         ``free_slots[:num_free]``, the next one admitted is the last.
       num_free: ``int32``, free slots.
@@ -123,6 +133,7 @@ class RemapState(NamedTuple):
     recent_lo: jax.Array
     recent_slots: jax.Array
     num_recent: jax.Array
+    num_stale: jax.Array
     free_slots: jax.Array
     num_free: jax.Array
     step: jax.Array
@@ -292,6 +303,7 @@ class ManagedCollision:
             recent_lo=zeros_u(K),
             recent_slots=zeros_i(K),
             num_recent=scalar(),
+            num_stale=scalar(),
             free_slots=jnp.arange(S - 1, -1, -1, dtype=jnp.int32),  # 0 first
             num_free=jnp.asarray(S, jnp.int32),
             step=scalar(),
@@ -399,6 +411,28 @@ class ManagedCollision:
         return _evict(self, state)
 
 
+LAYER_COMBINERS = ("mean", "sum", "sqrtn")
+
+
+def check_layer(where: str, manager: Any, combiner: str) -> None:
+    """A managed bag layer's arguments (the NNX, Linen and Equinox layers).
+
+    Example:
+      >>> import jaxslices as js
+      >>> from jaxslices.managed._table import check_layer
+      >>> check_layer("Layer", js.ManagedCollision("t", num_slots=4), "sum")
+    """
+    if not isinstance(manager, ManagedCollision):
+        raise TypeError(
+            f"{where}: `manager` must be a jaxslices.ManagedCollision, got "
+            f"{type(manager).__name__}."
+        )
+    if combiner not in LAYER_COMBINERS:
+        raise ValueError(
+            f"{where}: `combiner` must be 'mean', 'sum' or 'sqrtn', got {combiner!r}."
+        )
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _remap(
     mc: ManagedCollision, state: RemapState, raw: RawIds, valid: jax.Array
@@ -451,6 +485,12 @@ def _evict_xla(
     # the evicted slots in increasing order, unused entries S
     evicted = jnp.nonzero(chosen, size=E, fill_value=S)[0].astype(jnp.int32)
     rank = jnp.arange(E, dtype=jnp.int32)
+    # the evicted ids (their main-copy entries are marked stale below)
+    gone = (
+        evicted,
+        state.ids_hi.at[evicted].get(mode="fill", fill_value=0),
+        state.ids_lo.at[evicted].get(mode="fill", fill_value=0),
+    )
     occupied = state.occupied.at[evicted].set(False, mode="drop")
     zero_u, zero_i = jnp.uint32(0), jnp.int32(0)
     # push onto the free stack, in slot order
@@ -465,9 +505,7 @@ def _evict_xla(
         num_free=state.num_free + need,
         evictions=_saturating_add(state.evictions, need),
     )
-    n_main_old = S - state.num_free + need - state.num_recent
-    state = jax.lax.cond(need > 0, _compact, lambda s, n: s, state, n_main_old)
-    return state, evicted
+    return jax.lax.cond(need > 0, _drop_evicted, lambda *a: a[0], state, *gone), evicted
 
 
 def _kth_smallest(x: jax.Array, k: jax.Array, candidate: jax.Array) -> jax.Array:
@@ -579,12 +617,21 @@ def _recent(state: RemapState) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def _num_main(state: RemapState) -> jax.Array:
-    return state.num_slots - state.num_free - state.num_recent
+    """The entries of the main sorted copy, stale ones included."""
+    return state.num_slots - state.num_free - state.num_recent + state.num_stale
 
 
 def _flush(state: RemapState) -> RemapState:
-    """The recent copy merged into the main one (``O(S)``), then emptied."""
+    """The main copy without its stale entries, then the recent copy merged
+    into it (``O(S)``) and emptied."""
     S, K = state.num_slots, state.recent_slots.shape[0]
+    main, _ = _compact_sorted(_main(state), _num_main(state), state.sorted_slots < S)
+    state = state._replace(
+        sorted_hi=main[0],
+        sorted_lo=main[1],
+        sorted_slots=main[2],
+        num_stale=jnp.zeros((), jnp.int32),
+    )
     n_main = _num_main(state)
     _, place = _search(_main(state), n_main, state.recent_hi, state.recent_lo, S)
     rank = jnp.arange(K, dtype=jnp.int32)
@@ -689,8 +736,13 @@ def _lookup_and_admit_xla(
         return jnp.zeros((0,), jnp.int32), state
     # Admissions go to the recent copy when the whole batch would fit there
     # (static: N <= K), after a flush if it might not; else to the main copy.
+    # A flush also drops the stale entries of the main copy: admissions into
+    # it (N > K) need them gone first.
     into_recent = N <= K
-    full = state.num_recent + N > K if into_recent else state.num_recent > 0
+    if into_recent:
+        full = state.num_recent + N > K
+    else:
+        full = (state.num_recent > 0) | (state.num_stale > 0)
     state = jax.lax.cond(full, _flush, lambda s: s, state)
     found, place = _search(_main(state), _num_main(state), hi, lo, S)
     if into_recent:
@@ -781,15 +833,15 @@ def _merge_sorted(
 def _compact_sorted(
     copy: tuple[jax.Array, jax.Array, jax.Array],
     n_old: jax.Array,
-    occupied: jax.Array,
+    live: jax.Array,
 ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
-    """A sorted copy without the entries of freed slots: O(L), no sort.
+    """A sorted copy with only its ``live`` entries (``[L]``): O(L), no sort.
 
     Returns the copy and its new number of entries.
     """
     L = copy[0].shape[0]
     j = jnp.arange(L, dtype=jnp.int32)
-    keep = (j < n_old) & occupied[copy[2]]
+    keep = (j < n_old) & live
     to = jnp.where(keep, _prefix_sum(keep.astype(jnp.int32)) - 1, L)
 
     def compact(x: jax.Array) -> jax.Array:
@@ -798,20 +850,35 @@ def _compact_sorted(
     return tuple(map(compact, copy)), jnp.sum(keep, dtype=jnp.int32)
 
 
-def _compact(state: RemapState, n_main_old: jax.Array) -> RemapState:
-    """Both sorted copies without the entries of freed slots."""
-    main, _ = _compact_sorted(_main(state), n_main_old, state.occupied)
-    recent, num_recent = _compact_sorted(
-        _recent(state), state.num_recent, state.occupied
-    )
+def _drop_evicted(
+    state: RemapState, evicted: jax.Array, hi: jax.Array, lo: jax.Array
+) -> RemapState:
+    """The evicted ids out of the sorted copies: the recent copy compacted
+    (``O(K)``), their entries of the main copy marked stale (slot ``S``; a
+    binary search each, ``O(E log S)``), not moved.
+
+    ``evicted``: the evicted slots (``S`` in unused entries) and their ids.
+    ``state`` is the state after the eviction's other updates (slots
+    freed); its main copy still holds the evicted ids, so its entries are
+    the count before them.
+    """
+    S = state.num_slots
+    K = state.recent_slots.shape[0]
+    recent_slots = state.recent_slots
+    in_recent = (jnp.arange(K) < state.num_recent) & state.occupied[recent_slots]
+    recent, num_recent = _compact_sorted(_recent(state), state.num_recent, in_recent)
+    n_evicted = jnp.sum(evicted < S, dtype=jnp.int32)
+    n_main = _num_main(state) + n_evicted
+    found, place = _search(_main(state), n_main, hi, lo, S)
+    stale = (evicted < S) & (found == evicted)
+    sorted_slots = state.sorted_slots.at[jnp.where(stale, place, S)].set(S, mode="drop")
     return state._replace(
-        sorted_hi=main[0],
-        sorted_lo=main[1],
-        sorted_slots=main[2],
+        sorted_slots=sorted_slots,
         recent_hi=recent[0],
         recent_lo=recent[1],
         recent_slots=recent[2],
         num_recent=num_recent,
+        num_stale=state.num_stale + jnp.sum(stale, dtype=jnp.int32),
     )
 
 
@@ -821,7 +888,10 @@ def _compact(state: RemapState, n_main_old: jax.Array) -> RemapState:
 # on one CPU device, csrc/remap.cc, the functions above everywhere else, as
 # their reference): the same state bit for bit, updated in place.
 
-_SCALARS = ("num_free", "num_recent", "step", "admissions", "defaulted", "evictions")
+_SCALARS = (
+    "num_free", "num_recent", "step", "admissions", "defaulted", "evictions",
+    "num_stale",
+)  # fmt: skip
 _ADMIT_FIELDS = (
     "ids_hi", "ids_lo", "occupied", "counts", "last_seen",
     "sorted_hi", "sorted_lo", "sorted_slots", "recent_hi", "recent_lo", "recent_slots",

@@ -1,12 +1,13 @@
-"""The managed-collision layers of Linen and Equinox.
+"""The managed-collision layers of NNX, Linen and Equinox.
 
 Each trains a few steps (remap, evicted rows reset, sparse gradient, jaxslices
-Adagrad) to the numbers of the same loop written densely (``jax.grad`` /
-``eqx.filter_grad`` and stock ``optax.adagrad``), with the remap state kept in
-the framework's own way (a Linen variable collection, an Equinox field); the
-Equinox model is saved mid-run with ``eqx.tree_serialise_leaves`` and resumes
-bit for bit. ``import jaxslices`` imports neither framework
-(``tests/lib/test_nnx.py``).
+Adagrad) to the numbers of the same loop written densely (``nnx.value_and_grad``
+/ ``jax.grad`` / ``eqx.filter_grad`` and stock ``optax.adagrad``), with the
+remap state kept in the framework's own way (an NNX ``Remap`` variable, a Linen
+variable collection, an Equinox field); the NNX model and optimizer are saved
+mid-run with Orbax (their ``nnx.state``) and the Equinox model with
+``eqx.tree_serialise_leaves``, and both resume bit for bit. ``import jaxslices``
+imports neither framework (``tests/lib/test_nnx.py``).
 """
 
 from __future__ import annotations
@@ -242,3 +243,116 @@ def test_equinox_layer_bad_input_and_labels():
     params = eqx.filter(layer, eqx.is_inexact_array)
     assert [x.shape for x in jax.tree.leaves(params)] == [(S, D)]
     assert jse.param_labels(layer)(params).weight == "tables"
+
+
+# -------------------------------------------------------------------- NNX
+
+
+def _nnx_model(nnx, jsnnx):
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.items = jsnnx.ManagedEmbedBag(_manager(), D, rngs=rngs)
+            self.head = nnx.Linear(D, 1, rngs=rngs)
+
+        def __call__(self, rows):
+            return self.head(self.items(rows))[:, 0]
+
+    return Model(nnx.Rngs(0))
+
+
+def _nnx_step(nnx, jsnnx, value_and_grad):
+    def loss(model, rows, y):
+        return jnp.mean((model(rows) - y) ** 2)
+
+    @nnx.jit
+    def step(model, optimizer, raw, y, t):
+        rows, evicted = model.items.remap(raw)
+        jsnnx.reset_rows(
+            model, optimizer, evicted, _fresh(t), where=lambda m: m.items.embedding
+        )
+        value, grads = value_and_grad(loss)(model, rows, y)
+        optimizer.update(model, grads)
+        return value
+
+    return step
+
+
+def test_nnx_layer_trains_like_the_dense_loop_and_resumes(tmp_path):
+    nnx = pytest.importorskip("flax.nnx")
+    ocp = pytest.importorskip("orbax.checkpoint")
+    import jaxslices.nnx as jsnnx
+
+    sparse = _nnx_step(nnx, jsnnx, jsnnx.value_and_grad)
+    dense = _nnx_step(nnx, jsnnx, nnx.value_and_grad)
+    m1, m2 = _nnx_model(nnx, jsnnx), _nnx_model(nnx, jsnnx)
+    o1 = nnx.Optimizer(m1, js.adagrad(0.2), wrt=nnx.Param)
+    o2 = nnx.Optimizer(m2, optax.adagrad(0.2), wrt=nnx.Param)
+    # the remap state is not trained: the optimizer holds the params' state only
+    assert jsnnx.Remap not in {
+        type(v)
+        for v in jax.tree.leaves(
+            nnx.state(m1, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
+    }
+    batches = _stream()
+    ckptr = ocp.StandardCheckpointer()
+    for t, (raw, y) in enumerate(batches):
+        if t == 2:
+            ckptr.save(tmp_path / "ckpt", (nnx.state(m1), nnx.state(o1)))
+            ckptr.wait_until_finished()
+        l1, l2 = sparse(m1, o1, raw, y, t), dense(m2, o2, raw, y, t)
+        np.testing.assert_allclose(l1, l2, rtol=1e-6)
+        for a, b in zip(
+            jax.tree.leaves(nnx.state(m1, nnx.Param)),
+            jax.tree.leaves(nnx.state(m2, nnx.Param)),
+            strict=True,
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    r1, r2 = m1.items.remap_state.get_value(), m2.items.remap_state.get_value()
+    for a, b in zip(jax.tree.leaves(r1), jax.tree.leaves(r2), strict=True):
+        np.testing.assert_array_equal(a, b)
+    _check_remapped(r1)
+    # the table's gradient is sparse, in a Param of the NNX gradient state
+    g = jsnnx.grad(lambda m: jnp.sum(m(jnp.zeros((B, L), jnp.int32))))(m1)
+    assert isinstance(g["items"]["embedding"].get_value(), js.IndexedSlices)
+    # resume from step 2 (Orbax, the nnx.state of model and optimizer): bit for bit
+    m = _nnx_model(nnx, jsnnx)
+    o = nnx.Optimizer(m, js.adagrad(0.2), wrt=nnx.Param)
+    model_state, opt_state = ckptr.restore(
+        tmp_path / "ckpt", jax.eval_shape(lambda: (nnx.state(m), nnx.state(o)))
+    )
+    ckptr.close()
+    nnx.update(m, model_state)
+    nnx.update(o, opt_state)
+    assert int(m.items.remap_state.get_value().step) == 2
+    for t in range(2, STEPS):
+        sparse(m, o, *batches[t], t)
+    for a, b in zip(
+        jax.tree.leaves((nnx.state(m), nnx.state(o))),
+        jax.tree.leaves((nnx.state(m1), nnx.state(o1))),
+        strict=True,
+    ):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+def test_nnx_layer_bad_input():
+    nnx = pytest.importorskip("flax.nnx")
+    import jaxslices.nnx as jsnnx
+
+    rngs = nnx.Rngs(0)
+    with pytest.raises(TypeError, match=r"must be a jaxslices.ManagedCollision"):
+        jsnnx.ManagedEmbedBag("items", D, rngs=rngs)
+    with pytest.raises(ValueError, match=r"`combiner` must be"):
+        jsnnx.ManagedEmbedBag(_manager(), D, combiner="max", rngs=rngs)
+    layer = jsnnx.ManagedEmbedBag(_manager(), D, rngs=rngs)
+    with pytest.raises(ValueError, match=r"must return one parameter of `model`"):
+        jsnnx.reset_rows(layer, None, jnp.array([1]), 0.0,
+                         where=lambda m: m.embedding[...])  # fmt: skip
+    with pytest.raises(ValueError, match=r"must return one parameter of `model`"):
+        jsnnx.reset_rows(layer, None, jnp.array([1]), 0.0,
+                         where=lambda m: m.remap_state)  # fmt: skip
+    # a state of another table is refused by the remap
+    layer.remap_state.set_value(js.ManagedCollision("other", num_slots=S).init())
+    with pytest.raises(ValueError, match=r"other"):
+        layer.remap(jnp.array([[1, 2]]))

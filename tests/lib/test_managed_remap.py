@@ -11,6 +11,8 @@ model's.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,6 +87,7 @@ class Model:
         assert np.asarray(state.last_seen).tolist() == self.last
         n = int(state.num_free)
         assert np.asarray(state.free_slots)[:n].tolist() == self.free
+        check_sorted_copies(state)
         stats = {k: int(v) for k, v in state.stats().items()}
         assert stats == {
             "occupancy": self.S - len(self.free),
@@ -93,6 +96,49 @@ class Model:
             "defaulted": self.defaulted,
             "step": self.step,
         }
+
+
+def check_sorted_copies(state: js.RemapState) -> None:
+    """The sorted copies hold every tracked id once, with its slot, in order.
+
+    The main copy's first ``occupancy - num_recent + num_stale`` entries and
+    the recent copy's ``num_recent`` are strictly increasing by (low, high)
+    word, zeros after them; ``num_stale`` main entries are stale (slot ``S``,
+    an id no longer tracked in the main copy: lazy deletion), the others are
+    the tracked ids and their slots.
+    """
+    S = state.num_slots
+    tracked = {
+        (int(lo), int(hi)): s
+        for s, (hi, lo, o) in enumerate(
+            zip(
+                state.ids_hi.tolist(),
+                state.ids_lo.tolist(),
+                state.occupied.tolist(),
+                strict=True,
+            )
+        )
+        if o
+    }
+    n_recent, n_stale = int(state.num_recent), int(state.num_stale)
+    n_main = len(tracked) - n_recent + n_stale
+    live = {}
+    for prefix, n in (("sorted", n_main), ("recent", n_recent)):
+        hi, lo, slots = (np.asarray(getattr(state, f"{prefix}_{f}")) for f in
+                         ("hi", "lo", "slots"))  # fmt: skip
+        keys = list(zip(lo[:n].tolist(), hi[:n].tolist(), strict=True))
+        assert keys == sorted(set(keys)), f"{prefix}: not strictly increasing"
+        assert not (hi[n:].any() or lo[n:].any() or slots[n:].any()), prefix
+        stale = slots[:n] == S
+        if prefix == "sorted":
+            assert int(stale.sum()) == n_stale
+        else:
+            assert not stale.any()
+        for key, slot in zip(keys, slots[:n].tolist(), strict=True):
+            if slot < S:
+                assert key not in live, f"{key} twice"
+                live[key] = slot
+    assert live == tracked
 
 
 BATCH = 6
@@ -162,6 +208,39 @@ def test_no_collision_while_free_slots_remain(batches):
             assert seen.setdefault(i, r) == r  # one id, one row, every time
     assert len(set(seen.values())) == len(seen)  # no two ids share a row
     assert int(state.occupancy) == len(seen) and int(state.defaulted) == 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_evicted_id_is_stale_in_the_main_copy_until_the_next_flush(native):
+    """Lazy deletion: eviction marks the main copy's entry, moves nothing."""
+    mc = js.ManagedCollision(
+        "t", num_slots=4, policy="lru", evict_count=1, recent_size=4
+    )
+    model = Model(4, "lru", None, 1)
+
+    def remap(state, ids):
+        with contextlib.nullcontext() if native else js.kernels.disabled():
+            rows, state, _ = mc.remap(state, np.array(ids, np.int64))
+        assert rows.tolist() == model.remap(ids, [True] * len(ids))[0]
+        model.check(state)
+        return rows.tolist(), state
+
+    _, state = remap(mc.init(), [1, 2, 3, 4])  # into the recent copy
+    _, state = remap(state, [1])  # a flush: 1..4 into the main copy
+    assert int(state.num_recent) == 0
+    with contextlib.nullcontext() if native else js.kernels.disabled():
+        state, evicted = mc.evict(state)
+    assert evicted.tolist() == model.evict() == [1]  # id 2, least recently seen
+    model.check(state)
+    assert int(state.num_stale) == 1
+    assert state.sorted_slots.tolist() == [0, 4, 2, 3]  # id 2's entry, stale
+    assert state.sorted_lo.tolist() == [1, 2, 3, 4]  # in place: nothing moved
+    rows, state = remap(state, [2, 3])  # 2 again: skips its stale entry
+    assert rows == [1, 2] and int(state.num_stale) == 1
+    assert int(state.num_recent) == 1  # 2 admitted into the recent copy
+    rows, state = remap(state, [2, 5, 6, 7])  # a flush: the stale entry dropped
+    assert rows == [1, 4, 4, 4] and int(state.num_stale) == 0
+    assert state.sorted_slots.tolist() == [0, 1, 2, 3]
 
 
 def test_full_table_serves_the_default_and_counts_it():

@@ -10,7 +10,11 @@
 // when the batch might not fit in it (or, for a batch of more than K ids,
 // they go to the main copy). Eviction ("evict"): the `need` occupied slots
 // lowest by (first score, second score, slot), found from a sample's
-// threshold and one pass over the slots, are freed, and both copies compacted.
+// threshold and one pass over the slots, are freed; the small copy is
+// compacted (O(K)) and the evicted ids' entries of the main copy are marked
+// stale (slot S, their ids kept: the copy stays sorted) by a search each,
+// not moved (lazy deletion): lookups skip them and the next merge into the
+// main copy (a flush) drops them first.
 // Every merge and compaction is in place: a donated state is never copied.
 #include <algorithm>
 
@@ -75,6 +79,10 @@ struct Copy {
   bool Hit(int64_t n, int64_t at, uint32_t l, uint32_t h) const {
     return at < n && lo[at] == l && hi[at] == h;
   }
+  // A hit on a live entry (a stale one has slot `stale`).
+  bool Live(int64_t n, int64_t at, uint32_t l, uint32_t h, int32_t stale) const {
+    return Hit(n, at, l, h) && slots[at] != stale;
+  }
 
   // Merge m sorted entries (l, h, s) into [0, n), in place from the back.
   void Merge(int64_t n, const uint32_t* l, const uint32_t* h, const int32_t* s,
@@ -92,11 +100,12 @@ struct Copy {
     }
   }
 
-  // Keep the entries of [0, n) whose slot is occupied, zeros after them.
-  int64_t Compact(int64_t n, const bool* occupied) {
+  // Keep the entries of [0, n) whose slot `keep` accepts, zeros after them.
+  template <typename Keep>
+  int64_t Compact(int64_t n, Keep keep) {
     int64_t w = 0;
     for (int64_t i = 0; i < n; ++i) {
-      if (!occupied[slots[i]]) continue;
+      if (!keep(slots[i])) continue;
       lo[w] = lo[i], hi[w] = hi[i], slots[w] = slots[i];
       ++w;
     }
@@ -108,7 +117,9 @@ struct Copy {
 };
 
 // Scalars of the state, in the order of the wrappers' `scalars` operand.
-enum Scalar { kNumFree = 0, kNumRecent, kStep, kAdmissions, kDefaulted, kEvictions, kScalars };
+enum Scalar {
+  kNumFree = 0, kNumRecent, kStep, kAdmissions, kDefaulted, kEvictions, kNumStale, kScalars
+};
 
 struct NewId {
   uint32_t lo, hi;
@@ -187,18 +198,26 @@ static ffi::Error AdmitImpl(
   const int32_t* stack = free_slots.typed_data();
   if (N == 0) return ffi::Error::Success();
 
-  int64_t num_free = sc[kNumFree], num_recent = sc[kNumRecent];
+  int64_t num_free = sc[kNumFree], num_recent = sc[kNumRecent], num_stale = sc[kNumStale];
   const int32_t step = sc[kStep];
+  const int32_t stale = static_cast<int32_t>(S);  // a stale entry's slot
   const bool into_recent = N <= K;
-  const bool full = into_recent ? num_recent + N > K : num_recent > 0;
-  if (full && num_recent > 0) {  // flush: the recent copy into the main one
-    main.Merge(S - num_free - num_recent, recent.lo, recent.hi, recent.slots, num_recent);
-    std::fill(recent.lo, recent.lo + num_recent, 0u);
-    std::fill(recent.hi, recent.hi + num_recent, 0u);
-    std::fill(recent.slots, recent.slots + num_recent, 0);
-    num_recent = 0;
+  const bool full = into_recent ? num_recent + N > K : num_recent > 0 || num_stale > 0;
+  if (full) {  // flush: the main copy without its stale entries, then the recent one into it
+    if (num_stale > 0) {
+      main.Compact(S - num_free - num_recent + num_stale,
+                   [stale](int32_t s) { return s != stale; });
+      num_stale = 0;
+    }
+    if (num_recent > 0) {
+      main.Merge(S - num_free - num_recent, recent.lo, recent.hi, recent.slots, num_recent);
+      std::fill(recent.lo, recent.lo + num_recent, 0u);
+      std::fill(recent.hi, recent.hi + num_recent, 0u);
+      std::fill(recent.slots, recent.slots + num_recent, 0);
+      num_recent = 0;
+    }
   }
-  const int64_t n_main = S - num_free - num_recent;
+  const int64_t n_main = S - num_free - num_recent + num_stale;  // stale entries included
 
   // The valid ids sorted by (low, high) word (a radix sort), then looked up
   // in turn: each search starts where the previous one ended (galloping), so
@@ -215,7 +234,7 @@ static ffi::Error AdmitImpl(
   fresh.clear();
   for (const NewId& q : order) {
     from_main = main.Gallop(from_main, n_main, q.lo, q.hi);
-    if (main.Hit(n_main, from_main, q.lo, q.hi)) {
+    if (main.Live(n_main, from_main, q.lo, q.hi, stale)) {
       rows[q.pos] = main.slots[from_main];
       continue;
     }
@@ -265,6 +284,7 @@ static ffi::Error AdmitImpl(
   }
   sc[kNumFree] = static_cast<int32_t>(num_free - admitted);
   sc[kNumRecent] = static_cast<int32_t>(num_recent + (into_recent ? admitted : 0));
+  sc[kNumStale] = static_cast<int32_t>(num_stale);
   sc[kAdmissions] = SaturatingAdd(sc[kAdmissions], admitted);
   sc[kDefaulted] = SaturatingAdd(sc[kDefaulted], defaulted);
   return ffi::Error::Success();
@@ -361,18 +381,29 @@ static ffi::Error EvictImpl(
   int32_t* sc = Out(scalars, scalars_out);
   int32_t* evicted = evicted_out->typed_data();
   std::fill(evicted, evicted + E, static_cast<int32_t>(S));
-  const int64_t num_free = sc[kNumFree], num_recent = sc[kNumRecent];
+  const int64_t num_free = sc[kNumFree], num_recent = sc[kNumRecent],
+                num_stale = sc[kNumStale];
   const int64_t need = std::max<int64_t>(E - num_free, 0);
   if (need == 0) return ffi::Error::Success();
 
   Lowest(lfu ? cnt : last, lfu ? last : cnt, occ, S, S - num_free, need, evicted);
+  // Lazy deletion: an evicted id's entry of the main copy (if it is there,
+  // not in the recent copy) keeps its place and id, its slot marked stale.
+  const int64_t n_main = S - num_free - num_recent + num_stale;
+  int64_t marked = 0;
   for (int64_t r = 0; r < need; ++r) {
     int32_t s = evicted[r];
+    int64_t at = main.Gallop(0, n_main, il[s], ih[s]);
+    if (main.Hit(n_main, at, il[s], ih[s]) && main.slots[at] == s) {
+      main.slots[at] = static_cast<int32_t>(S);
+      ++marked;
+    }
     occ[s] = false, ih[s] = 0, il[s] = 0, cnt[s] = 0, last[s] = 0;
     stack[num_free + r] = s;
   }
-  main.Compact(S - num_free - num_recent, occ);
-  sc[kNumRecent] = static_cast<int32_t>(recent.Compact(num_recent, occ));
+  sc[kNumRecent] =
+      static_cast<int32_t>(recent.Compact(num_recent, [occ](int32_t s) { return occ[s]; }));
+  sc[kNumStale] = static_cast<int32_t>(num_stale + marked);
   sc[kNumFree] = static_cast<int32_t>(num_free + need);
   sc[kEvictions] = SaturatingAdd(sc[kEvictions], need);
   return ffi::Error::Success();
@@ -400,7 +431,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<js::U32Vector>()   // recent_lo [K]
         .Arg<js::S32Vector>()   // recent_slots [K]
         .Arg<js::S32Vector>()   // free_slots [S]
-        .Arg<js::S32Vector>()   // scalars [6]
+        .Arg<js::S32Vector>()   // scalars [7]
         .Ret<js::S32Vector>()   // rows [N]
         .Ret<js::U32Vector>()   // ids_hi (aliased), and so on
         .Ret<js::U32Vector>()
@@ -432,7 +463,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<js::U32Vector>()   // recent_lo [K]
         .Arg<js::S32Vector>()   // recent_slots [K]
         .Arg<js::S32Vector>()   // free_slots [S]
-        .Arg<js::S32Vector>()   // scalars [6]
+        .Arg<js::S32Vector>()   // scalars [7]
         .Ret<js::S32Vector>()   // evicted [E]
         .Ret<js::U32Vector>()   // ids_hi (aliased), and so on
         .Ret<js::U32Vector>()
