@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
+from .. import _rounding
 from .._coalesce import check_method
 from ..kernels import _ops as kernel_ops
 from ..slices import IndexedSlices
@@ -715,6 +716,21 @@ def scale_by_lazy_adam(
             mu_nu=jax.tree.map(lambda p: packed_zeros(p, (0, 0), dtype(p)), params),
         )
 
+    def _refuse(updates):
+        # With mu_dtype given, Optax keeps the second moment in the gradient's
+        # dtype: a bfloat16 gradient's is rounded to bfloat16 every step,
+        # where the kernel keeps float32.
+        low = any(
+            _rounding.is_low_precision(getattr(g, "dtype", None))
+            for g in jax.tree.leaves(updates, is_leaf=is_leaf)
+        )
+        if refuse is None and mu_dtype is not None and low:
+            return (
+                "mu_dtype with a bfloat16/float16 gradient (Optax keeps the second "
+                "moment in the gradient's dtype; the kernels in float32)"
+            )
+        return refuse
+
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         count = optax.safe_increment(state.count)
@@ -744,7 +760,7 @@ def scale_by_lazy_adam(
             stochastic_rounding=stochastic_rounding,
             # The kernel also takes 1 - b1 and 1 - b2 as the XLA rule makes
             # them (in Python's float64 for float hyperparameters).
-            native=Native(spec, (*hp, 1 - b1, 1 - b2), refuse=refuse),
+            native=Native(spec, (*hp, 1 - b1, 1 - b2), refuse=_refuse(updates)),
         )
         return updates, ScaleByLazyAdamState(count=count, mu_nu=mu_nu)
 

@@ -154,8 +154,11 @@ def test_apply_sums_heavy_duplicates_in_place(dtype):
     with jax.enable_x64(dtype == np.int64):
         ids = jnp.asarray(ids)
         assert ids.dtype == dtype
-        args = (table, src, ids, _ops._NONE_I32, weight, jnp.float32(0.5))
-        kw = dict(has_bag=False, has_weight=True, coalesced=False, length=0)
+        args = (table, src, ids, _ops._NONE_I32, weight, jnp.float32(0.5),
+                jnp.uint32(0))  # fmt: skip
+        kw = dict(
+            has_bag=False, has_weight=True, coalesced=False, length=0, stochastic=False
+        )
         (ref,) = _ops._apply_reference(*args, **kw)
         (got,) = jax.jit(
             functools.partial(_pallas.apply, interpret=True, **kw), donate_argnums=0
@@ -398,8 +401,11 @@ def test_tolerance_is_needed_and_met():
     table = jnp.asarray(rng.normal(size=(v, r)), jnp.float32)
     ids = jnp.asarray(rng.integers(0, v, size=n), jnp.int32)
     src = jnp.asarray(rng.normal(size=(n, r)), jnp.float32)
-    args = (table, src, ids, _ops._NONE_I32, _ops._NONE_F32, jnp.float32(1.0))
-    kw = dict(has_bag=False, has_weight=False, coalesced=False, length=0)
+    args = (table, src, ids, _ops._NONE_I32, _ops._NONE_F32, jnp.float32(1.0),
+            jnp.uint32(0))  # fmt: skip
+    kw = dict(
+        has_bag=False, has_weight=False, coalesced=False, length=0, stochastic=False
+    )
     (ref,) = _ops._apply_reference(*args, **kw)
     (got,) = _pallas.apply(*args, interpret=True, **kw)
     np.testing.assert_allclose(got, ref, **TOL)
