@@ -126,14 +126,14 @@ def train_variant(ds, name, *, dim, epochs, batch_size, lr, reg, seed, max_steps
 
 
 def save_plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure, not pyplot: switching pyplot's backend (to Agg) here would
+    # stop a notebook that calls this from showing its own plots.
+    from matplotlib.figure import Figure
 
     runs = result.get("dlrm", {})
-    fig, axes = plt.subplots(1, 2 if runs else 1, figsize=(12 if runs else 6.5, 4))
-    ax = axes[0] if runs else axes
+    fig = Figure(figsize=(12 if runs else 6.5, 4))
+    axes = fig.subplots(1, 2) if runs else [fig.subplots()]
+    ax = axes[0]
     for name, r in result["variants"].items():
         ep = np.arange(1, len(r["test_rmse_per_epoch"]) + 1)
         ax.plot(ep, r["test_rmse_per_epoch"], label=f"{name} ({r['test_rmse']:.4f})")
@@ -152,7 +152,6 @@ def save_plot(result: dict, path: Path) -> None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(
