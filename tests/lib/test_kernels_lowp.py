@@ -372,11 +372,14 @@ def test_random_steps_match_xla_to_a_few_ulps(dtype):
     Adam on float16 is left out of the bound: dividing by the root of the
     second moment amplifies the XLA path's float16 rounding of small
     gradients (measured: up to 55 ulps). The float32 state agrees to float
-    rounding."""
+    rounding. float16: a subset (the same code; CI time)."""
     rng = np.random.default_rng(4)
     table, loss = _problem(rng, dtype, dyadic=False)
     old = np.asarray(table, np.float32)
+    subset = ("sgd", "adagrad", "rowwise_adagrad", "ftrl", "clip")
     for name, tx in _optimizers().items():
+        if dtype == jnp.float16 and name not in subset:
+            continue
         step = _step(tx, loss)
         state = _float32_state(tx, table)
         assert _all_native(step, table, state, 0), name
