@@ -278,8 +278,10 @@ def test_sparse_adagrad_state_equals_dense_with_stochastic_rounding(dtype):
             np.asarray(s_state[0].sum_of_squares["t"]),
             np.asarray(d_state[0].sum_of_squares["t"]),
         )
-        np.testing.assert_array_equal(
-            np.asarray(su["t"].to_dense()), np.asarray(du["t"])
+        # the float32 updates (not rounded): Optax's arithmetic, to float
+        # rounding (JAX 0.12 fuses the sparse and dense rsqrt differently)
+        np.testing.assert_allclose(
+            np.asarray(su["t"].to_dense()), np.asarray(du["t"]), rtol=1e-6, atol=0
         )
         assert s_state[0].sum_of_squares["t"].dtype == dtype
 
