@@ -754,7 +754,8 @@ def count_coalesces(tx, grads, params):
 def test_coalesces_at_most_once_per_table(name, coalesces):
     rng = np.random.default_rng(23)
     params = make_params(rng)
-    assert count_coalesces(registry.optimizer(name), make_grads(rng, 1)[0], params) == coalesces
+    tx = registry.optimizer(name)
+    assert count_coalesces(tx, make_grads(rng, 1)[0], params) == coalesces
 
 
 # ------------------------------------------------------------------ property
