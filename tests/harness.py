@@ -16,7 +16,7 @@ Example:
   >>> harness.jitted_step(tx) is harness.jitted_step(tx)
   True
   >>> p = {"w": jnp.ones(2)}
-  >>> harness.train(tx, p, [{"w": jnp.ones(2)}])[0]["w"].round(2).tolist()
+  >>> [round(float(x), 4) for x in harness.train(tx, p, [{"w": jnp.ones(2)}])[0]["w"]]
   [0.9, 0.9]
 """
 
