@@ -95,8 +95,17 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
         js.clip_by_row_norm(1.0),
         js.sgd(0.1, 0.9),
     ),
+    "lazy_adam_max_distinct": lambda: js.lazy_adam(0.1, max_distinct=2),
     # ---- wrappers
     "apply_if_finite": lambda: optax.apply_if_finite(js.lazy_adam(0.1), 3),
+    "js_apply_if_finite": lambda: js.apply_if_finite(js.lazy_adam(0.1), 2),
+    "multi_steps": lambda: js.MultiSteps(
+        js.lazy_adam(0.1), every_k_schedule=1, capacity=16
+    ),
+    "multi_steps_k2": lambda: js.MultiSteps(
+        js.ftrl(0.1), every_k_schedule=2, capacity=16
+    ),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(js.lazy_adam)(0.1),
 }
 
 #: name -> the Optax transformation a registry entry equals on dense leaves
