@@ -44,6 +44,7 @@ from ..embedding import combiner_scale, embedding_lookup, pool
 from ..jagged import segment_ids
 from ..kernels import _path as kernel_path
 from ..keyed import KeyedJaggedIds, pad_bags, padded_features
+from ._buffers import placed_rows
 
 WHERE = "EmbeddingCollection"
 
@@ -241,8 +242,7 @@ def _row_ids(values, ok, spec, key, b, members):
     stride = jnp.asarray(spec.stride.astype(idx))[key]
     if np.any(spec.chunk[members] < spec.rows[members]):  # row-wise chunks
         chunk = jnp.asarray(spec.chunk.astype(idx))[key]
-        q = v // chunk
-        row = base + q * stride + (v - q * chunk)
+        row = placed_rows(v, base, chunk, stride)
     else:
         row = base + v
     if b.pieces > 1:  # column-wise: piece j of a row is `stride` rows further
