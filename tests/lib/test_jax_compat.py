@@ -105,17 +105,18 @@ print("AFTER", "jax.experimental.pallas.triton" in sys.modules)
 """
 
 
+def _python(code: str) -> str:
+    """The stdout of ``code`` in a fresh CPU-only Python that imports this tree."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, check=True
+    ).stdout.decode()
+
+
 def test_import_jaxslices_imports_no_pallas_or_triton_module():
     """Pallas and its Triton backend load when a GPU lowering reads them
     (``_jax_compat.pallas``, ``AVAILABLE["pallas_gpu"]``), not at import."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, "-c", _IMPORT_ONLY],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
+    out = _python(_IMPORT_ONLY)
     assert "BEFORE []" in out and "AFTER True" in out, out
 
 
@@ -456,14 +457,7 @@ except ImportError as e:
 @pytest.mark.parametrize("version", ["0.13.0", jax.__version__])
 def test_import_on_a_newer_jax_warns_once(version):
     """``import jaxslices`` with JAX reporting a newer line (in a subprocess)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, "-c", _IMPORT_ON.format(version=version)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
+    out = _python(_IMPORT_ON.format(version=version))
     if version == jax.__version__:  # a tested JAX: nothing
         assert "WARNINGS 0" in out and "NATIVE ok" in out, out
         return
