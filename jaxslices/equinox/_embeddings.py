@@ -69,15 +69,17 @@ class Embedding(eqx.nn.Embedding):
         strict: bool = False,
     ) -> None:
         super().__init__(num_embeddings, embedding_size, weight, dtype, key=key)
-        pad = _frameworks.check_options(
-            _EMBED, self.num_embeddings, padding_idx, max_norm, norm_type
+        pad = _frameworks.keep_options(
+            self,
+            _EMBED,
+            self.num_embeddings,
+            padding_idx=padding_idx,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            strict=strict,
         )
         if weight is None:  # initialised here: the padding row starts at zero
             self.weight = _frameworks.zero_padding_row(self.weight, pad)
-        self.padding_idx = pad
-        self.max_norm = max_norm
-        self.norm_type = norm_type
-        self.strict = strict
 
     def __call__(self, x: Any, *, key: Any = None) -> jax.Array:
         """Row ``x`` of the table (``x`` a scalar integer); ``key`` is ignored."""
@@ -163,8 +165,16 @@ class EmbeddingBag(eqx.Module):
         key: Any = None,
     ) -> None:
         table = eqx.nn.Embedding(num_embeddings, embedding_size, weight, dtype, key=key)
-        pad = _frameworks.check_options(
-            _BAG, table.num_embeddings, padding_idx, max_norm, norm_type, combiner
+        pad = _frameworks.keep_options(
+            self,
+            _BAG,
+            table.num_embeddings,
+            padding_idx=padding_idx,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            strict=strict,
+            combiner=combiner,
+            include_last_offset=include_last_offset,
         )
         self.weight = (
             table.weight
@@ -173,12 +183,6 @@ class EmbeddingBag(eqx.Module):
         )
         self.num_embeddings = table.num_embeddings
         self.embedding_size = table.embedding_size
-        self.combiner = combiner
-        self.padding_idx = pad
-        self.max_norm = max_norm
-        self.norm_type = norm_type
-        self.include_last_offset = include_last_offset
-        self.strict = strict
 
     def __call__(
         self,

@@ -99,15 +99,14 @@ class EmbedBag(nn.Module):
     :func:`jaxslices.value_and_grad` of a ``model.apply`` loss the table's
     gradient is an :class:`~jaxslices.IndexedSlices`.
 
-    Call it with a padded ``[..., L]`` id array (one bag per row of the last
-    axis), a :class:`~jaxslices.JaggedIds`, or PyTorch's flat ``[N]`` ids and
-    ``offsets`` (``[B]`` starts, or ``[B + 1]`` with
-    ``include_last_offset=True``); ``per_sample_weights`` shaped like the ids
-    (not with ``"max"``, as in PyTorch). Ids outside ``[0, num_embeddings)``
-    (e.g. ``-1`` padding) are left out of their bag (not counted by
-    ``"mean"``); ``padding_idx`` (PyTorch's meaning) is zeroed at initialisation,
-    excluded from every bag and never gets a gradient; ``max_norm`` and
-    ``strict`` as in :class:`Embed`.
+    It takes what every jaxslices bag layer takes (``docs/frameworks.md``,
+    "Bag layers"): a padded ``[..., L]`` id array (a bag per row of the last
+    axis), a :class:`~jaxslices.JaggedIds`, or PyTorch's flat ids with
+    ``offsets`` (``include_last_offset`` as in PyTorch), and optional
+    ``per_sample_weights`` (any combiner but ``"max"``). The bags rule
+    leaves ids outside ``[0, num_embeddings)`` (``-1`` fill) out of their
+    bag, and ``padding_idx`` too, which also starts at zero and never gets a
+    gradient; ``max_norm`` and ``strict`` as in :class:`Embed`.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxslices, jaxslices.linen

@@ -78,18 +78,19 @@ class Embed(nnx.Embed):
         strict: bool = False,
         **kwargs: Any,
     ) -> None:
-        where = _EMBED
-        pad = _frameworks.check_options(
-            where, num_embeddings, padding_idx, max_norm, norm_type
-        )
         super().__init__(num_embeddings, features, **kwargs)
+        pad = _frameworks.keep_options(
+            self,
+            _EMBED,
+            num_embeddings,
+            padding_idx=padding_idx,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            strict=strict,
+        )
         if pad is not None:
             table = self.embedding.get_value()
             self.embedding.set_value(_frameworks.zero_padding_row(table, pad))
-        self.padding_idx = pad
-        self.max_norm = max_norm
-        self.norm_type = norm_type
-        self.strict = strict
 
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         """Embed integer ids; output shape ``inputs.shape + (features,)``."""
@@ -183,20 +184,21 @@ class EmbedBag(nnx.Module):
         embedding_init: Any = EMBED_INIT,
         rngs: nnx.Rngs,
     ) -> None:
-        where = _BAG
-        pad = _frameworks.check_options(
-            where, num_embeddings, padding_idx, max_norm, norm_type, combiner
+        pad = _frameworks.keep_options(
+            self,
+            _BAG,
+            num_embeddings,
+            padding_idx=padding_idx,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            strict=strict,
+            combiner=combiner,
+            include_last_offset=include_last_offset,
         )
         table = embedding_init(rngs.params(), (num_embeddings, features), param_dtype)
         self.embedding = nnx.Param(_frameworks.zero_padding_row(table, pad))
         self.num_embeddings = num_embeddings
         self.features = features
-        self.combiner = combiner
-        self.padding_idx = pad
-        self.max_norm = max_norm
-        self.norm_type = norm_type
-        self.include_last_offset = include_last_offset
-        self.strict = strict
         self.dtype = dtype
         self.param_dtype = param_dtype
 
