@@ -91,26 +91,26 @@ def keep_options(
     layer: Any,
     where: str,
     num_embeddings: int,
-    *,
     padding_idx: Any,
     max_norm: Any,
     norm_type: Any,
     strict: bool,
-    **bag: Any,
+    combiner: str | None = None,
 ) -> int | None:
     """Check a layer's options (:func:`check_options`) and set them on it.
 
     Sets ``padding_idx`` (as its row in ``[0, V)``), ``max_norm``,
-    ``norm_type``, ``strict`` and a bag layer's ``combiner`` and
-    ``include_last_offset`` (``bag``) as attributes of ``layer``, in its
-    constructor (an NNX or Equinox module); returns the padding row.
+    ``norm_type``, ``strict`` and a bag layer's ``combiner`` as attributes
+    of ``layer``, in its constructor (an NNX or Equinox module); returns the
+    padding row.
     """
     pad = check_options(
-        where, num_embeddings, padding_idx, max_norm, norm_type, bag.get("combiner")
+        where, num_embeddings, padding_idx, max_norm, norm_type, combiner
     )
-    given = dict(padding_idx=pad, max_norm=max_norm, norm_type=norm_type, **bag)
-    for name, value in {**given, "strict": strict}.items():
-        setattr(layer, name, value)
+    layer.padding_idx, layer.max_norm, layer.norm_type = pad, max_norm, norm_type
+    layer.strict = strict
+    if combiner is not None:
+        layer.combiner = combiner
     return pad
 
 

@@ -70,13 +70,7 @@ class Embedding(eqx.nn.Embedding):
     ) -> None:
         super().__init__(num_embeddings, embedding_size, weight, dtype, key=key)
         pad = _frameworks.keep_options(
-            self,
-            _EMBED,
-            self.num_embeddings,
-            padding_idx=padding_idx,
-            max_norm=max_norm,
-            norm_type=norm_type,
-            strict=strict,
+            self, _EMBED, self.num_embeddings, padding_idx, max_norm, norm_type, strict
         )
         if weight is None:  # initialised here: the padding row starts at zero
             self.weight = _frameworks.zero_padding_row(self.weight, pad)
@@ -165,23 +159,17 @@ class EmbeddingBag(eqx.Module):
         key: Any = None,
     ) -> None:
         table = eqx.nn.Embedding(num_embeddings, embedding_size, weight, dtype, key=key)
+        n = table.num_embeddings
         pad = _frameworks.keep_options(
-            self,
-            _BAG,
-            table.num_embeddings,
-            padding_idx=padding_idx,
-            max_norm=max_norm,
-            norm_type=norm_type,
-            strict=strict,
-            combiner=combiner,
-            include_last_offset=include_last_offset,
+            self, _BAG, n, padding_idx, max_norm, norm_type, strict, combiner
         )
+        self.include_last_offset = include_last_offset
         self.weight = (
             table.weight
             if weight is not None
             else _frameworks.zero_padding_row(table.weight, pad)
         )
-        self.num_embeddings = table.num_embeddings
+        self.num_embeddings = n
         self.embedding_size = table.embedding_size
 
     def __call__(

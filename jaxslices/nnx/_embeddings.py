@@ -80,13 +80,7 @@ class Embed(nnx.Embed):
     ) -> None:
         super().__init__(num_embeddings, features, **kwargs)
         pad = _frameworks.keep_options(
-            self,
-            _EMBED,
-            num_embeddings,
-            padding_idx=padding_idx,
-            max_norm=max_norm,
-            norm_type=norm_type,
-            strict=strict,
+            self, _EMBED, num_embeddings, padding_idx, max_norm, norm_type, strict
         )
         if pad is not None:
             table = self.embedding.get_value()
@@ -184,17 +178,9 @@ class EmbedBag(nnx.Module):
         embedding_init: Any = EMBED_INIT,
         rngs: nnx.Rngs,
     ) -> None:
-        pad = _frameworks.keep_options(
-            self,
-            _BAG,
-            num_embeddings,
-            padding_idx=padding_idx,
-            max_norm=max_norm,
-            norm_type=norm_type,
-            strict=strict,
-            combiner=combiner,
-            include_last_offset=include_last_offset,
-        )
+        options = (padding_idx, max_norm, norm_type, strict, combiner)
+        pad = _frameworks.keep_options(self, _BAG, num_embeddings, *options)
+        self.include_last_offset = include_last_offset
         table = embedding_init(rngs.params(), (num_embeddings, features), param_dtype)
         self.embedding = nnx.Param(_frameworks.zero_padding_row(table, pad))
         self.num_embeddings = num_embeddings
