@@ -834,8 +834,8 @@ def scale_out_plans() -> str:
         "",
         "Goal of the scaling plans: per-device rows and bytes at 8 devices within "
         f"1.25x of 2 devices for row-wise and table-wise plans: **{verdict}** for "
-        f"every optimizer (the largest ratios: {worst_g:.2f}x rows, {worst_c:.2f}x bytes; "
-        "masked routing: the global batch's 4x).",
+        f"every optimizer (the largest ratios: {worst_g:.2f}x rows, "
+        f"{worst_c:.2f}x bytes; masked routing: the global batch's 4x).",
         "",
         f"Command (results in `benchmarks/results/{name.split('/')[0]}/`):",
         "",
