@@ -194,7 +194,9 @@ def apply_max_norm(
             uses_state=True,
         )
         new, *_ = kernel_ops.rowwise(
-            kernel_ops.Recipe(jnp.zeros((1, math.prod(table.shape[1:])), table.dtype)),
+            kernel_ops.PooledGradient(
+                jnp.zeros((1, math.prod(table.shape[1:])), table.dtype)
+            ),
             flat,
             num_rows=num_rows,
             spec=spec,

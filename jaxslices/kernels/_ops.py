@@ -17,12 +17,12 @@ Three ops (``csrc/`` holds their kernels):
 
 * :func:`bag_forward`: pooled rows of bags of ids (``embedding_bag``'s
   forward);
-* :func:`rowwise`: a sparse gradient, given as a :class:`Recipe`, summed per
+* :func:`rowwise`: a sparse gradient, given as a :class:`PooledGradient`, summed per
   distinct id, then an optimizer rule on each distinct row and its state,
   in place;
 * :func:`apply`: a sparse update, as a recipe, added to a table in place.
 
-A :class:`~jaxslices._recipe.Recipe` (:attr:`jaxslices.IndexedSlices.recipe`)
+A :class:`~jaxslices.PooledGradient` (:attr:`jaxslices.IndexedSlices.recipe`)
 describes the rows of a sparse gradient without making them: slot ``s``
 holds ``scale * weight[s] * src[bag[s]]``, so the pooled gradient of a bag
 (``[B, R]``) stands for its ``[N, R]`` per-id rows. Whether an op runs its
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _coalesce, _jax_compat, _rounding, _strict
-from .._recipe import Recipe, flat_rows
+from .._recipe import PooledGradient, flat_rows
 from . import _pallas
 from ._primitive import NativeOp, check_ids_dtype
 
@@ -233,7 +233,7 @@ class RuleSpec:
         return Rule[self.kind.upper()]
 
 
-def _recipe_args(recipe: Recipe) -> tuple[list[Any], dict[str, bool]]:
+def _recipe_args(recipe: PooledGradient) -> tuple[list[Any], dict[str, bool]]:
     """The recipe as operands ``[src, bag, weight, scale]`` and its has_* flags."""
     bag = _NONE_I32 if recipe.bag is None else recipe.bag
     weight = _NONE_F32 if recipe.weight is None else _f32(recipe.weight)
@@ -252,7 +252,7 @@ def _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length):
     n = ids.shape[0]
     if n == 0:  # no slots (ids [B, 0] of a recipe whose src is [B, R])
         return jnp.zeros((0, src.shape[1]), src.dtype)
-    return Recipe(
+    return PooledGradient(
         src,
         bag if has_bag else None,
         length,
@@ -329,7 +329,7 @@ _ROWWISE = NativeOp(
 
 
 def rowwise(
-    recipe: Recipe,
+    recipe: PooledGradient,
     ids: jax.Array,
     *,
     num_rows: int,
@@ -454,7 +454,7 @@ _APPLY = NativeOp(
 
 def apply(
     table: jax.Array,
-    recipe: Recipe,
+    recipe: PooledGradient,
     ids: jax.Array,
     *,
     coalesced: bool = False,

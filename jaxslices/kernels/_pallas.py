@@ -1,4 +1,11 @@
-"""The Pallas GPU kernels of the native ops (opt-in, unmeasured on a GPU).
+"""The Pallas GPU kernels of the native ops: experimental, opt-in.
+
+Experimental until measured on a GPU (the decision is in docs/design.md,
+"The Pallas GPU kernels"): taken only inside
+:func:`jaxslices.kernels.gpu_kernels`, never by default, with no speed
+claim; a port to Mosaic GPU (JAX's recommended GPU backend on the 0.12
+line, where the Triton backend used here is deprecated) or their removal
+is decided by that measurement.
 
 Each function here has the signature of its op's XLA reference in
 :mod:`jaxslices.kernels._ops` (operands, then the op's parameters) and

@@ -246,7 +246,7 @@ def test_int64_ids_in_the_kernels_under_x64():
             lambda g, st, p, hp, cfg: (g / jnp.sqrt(g * g + st + hp[0]), g * g + st),
             uses_state=True,
         )
-        rec = _ops.Recipe(src)
+        rec = _ops.PooledGradient(src)
         for native in (True, False):
             with contextlib.nullcontext() if native else _path.disabled():
                 out = jax.jit(lambda s: _ops.rowwise(
@@ -532,7 +532,7 @@ def test_table_copies_sees_a_copy_behind_a_reshape():
 
     def step(state, ids):
         flat = state.reshape(num_rows, -1)
-        out = _ops.apply(flat, _ops.Recipe(jnp.ones((4, 128))), ids)
+        out = _ops.apply(flat, _ops.PooledGradient(jnp.ones((4, 128))), ids)
         return out.reshape(state.shape)
 
     state = jnp.zeros((num_rows, 2, 64))
@@ -713,7 +713,9 @@ def test_apply_with_and_without_summing_duplicates_first(length):
     n = 24
     ids = jnp.asarray(_zipf_ids(rng, (n,), 53))  # duplicates, some out of range
     src = jnp.asarray(rng.normal(size=(n // max(length, 1), 3)), jnp.float32)
-    rec = _ops.Recipe(src, length=length, weight=jnp.asarray(rng.normal(size=n)))
+    rec = _ops.PooledGradient(
+        src, length=length, weight=jnp.asarray(rng.normal(size=n))
+    )
     want = table.at[jnp.where(ids < 50, ids, 50)].add(rec.values(n), mode="drop")
     for sum_duplicates in (True, False):
         got = jax.jit(

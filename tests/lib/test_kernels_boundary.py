@@ -78,7 +78,7 @@ def _rss(g, st, p, hp, cfg):
 def _run_rowwise(kind, *, hp, state=None, params=None, uses_state, uses_params):
     spec = _ops.RuleSpec(kind, _rss, uses_state=uses_state, uses_params=uses_params)
     ids = jnp.array([1, 2, 2, 9, 0, 3], jnp.int32)
-    rec = _ops.Recipe(jnp.ones((N, R), jnp.float32))
+    rec = _ops.PooledGradient(jnp.ones((N, R), jnp.float32))
     out = jax.jit(
         lambda s, p: _ops.rowwise(
             rec, ids, num_rows=V, spec=spec, hp=hp, state=s, params=p, capacity=N
@@ -162,7 +162,7 @@ def test_bag_and_weight_sizes_are_checked():
         )(table).block_until_ready()
     with pytest.raises(ValueError, match="4 ids for 3 padded bags of 2 slots"):
         _ops.bag_forward(table, ids, weight=None, scale=None, num_bags=3, length=2)
-    rec = _ops.Recipe(jnp.ones((4, R)), bag=jnp.array([0, 1], jnp.int32))
+    rec = _ops.PooledGradient(jnp.ones((4, R)), bag=jnp.array([0, 1], jnp.int32))
     with pytest.raises(Exception, match="jaxslices apply kernel: the bag array has 2"):
         jax.jit(lambda t: _ops.apply(t, rec, ids))(table).block_until_ready()
 

@@ -141,7 +141,7 @@ def test_status_says_why_without_warning(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["no compiler", "off", "here"])
-def test_the_command_line_prints_the_status_and_nothing_else(tmp_path, case):
+def test_the_command_line_prints_the_status_and_what_the_kernels_use(tmp_path, case):
     (tmp_path / "bin").mkdir()
     env = {
         "no compiler": {"PATH": str(tmp_path / "bin")},
@@ -152,12 +152,27 @@ def test_the_command_line_prints_the_status_and_nothing_else(tmp_path, case):
         env["JAXSLICES_CACHE_DIR"] = str(tmp_path / "c")
     out = _run("", env, "-m", "jaxslices.kernels")
     assert out.stderr == "", out.stderr[-3000:]  # no runpy or kernels warning
-    (line,) = out.stdout.splitlines()
+    line, *rest = out.stdout.splitlines()
     loaded = case == "here" and KERNELS_AVAILABLE
     assert line.startswith("loaded: " if loaded else ("unavailable: ", "disabled"))
     assert out.returncode == (0 if loaded else 1), line
+    if case == "off":  # nothing is built: nothing else to say
+        assert rest == [], rest
+        return
+    keys = [r.split(":")[0] for r in rest]
+    assert keys[:4] == ["compiler", "flags", "threads", "cache"], rest
+    assert "-O3" in rest[1] and "threads: " in rest[2]
     if case == "no compiler":
-        assert "no C++ compiler found" in line
+        assert "no C++ compiler found" in line and rest[0] == "compiler: none found"
+        assert str(tmp_path / "c") in rest[3]
+
+
+def test_the_command_line_answers_help():
+    out = _run("", {"JAXSLICES_NATIVE": "0"}, "-m", "jaxslices.kernels", "--help")
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-3000:]
+    assert out.stdout.startswith("usage: python -m jaxslices.kernels")
+    for word in ("compiler", "flags", "threads", "cache", "JAXSLICES_CACHE_DIR"):
+        assert word in out.stdout, word
 
 
 @needs_kernels  # it copies this session's library
@@ -182,9 +197,13 @@ def test_parallel_builds_into_one_fresh_cache(tmp_path):
         )
         for _ in range(3)
     ]
+    notices = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=900)
         assert p.returncode == 0 and "ok" in stdout, stderr[-3000:]
+        notices += [ln for ln in stderr.splitlines() if "building the native" in ln]
+    assert len(notices) == 1, notices  # one process built, and said so in a line
+    assert notices[0].startswith("jaxslices: building the native CPU kernels with ")
     libs = list((tmp_path / "cache").glob("libjaxslices_kernels-*.so"))
     assert len(libs) == 1, libs
     assert not list((tmp_path / "cache").glob("*.tmp")), "a temporary was left"

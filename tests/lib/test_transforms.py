@@ -335,13 +335,18 @@ def test_clip_by_global_norm_below_threshold_is_identity():
 
 
 def test_one_global_norm_of_raw_and_coalesced_slices():
-    """The one global norm (the public one, which clip_by_global_norm uses) gives
-    the same number for raw slices and for the coalesced ones the transforms
-    hand it (on the native path, with the kernel's squared norm)."""
+    """The one global norm (the public one, whose body clip_by_global_norm uses)
+    gives the same number for raw slices and for the coalesced ones the
+    transforms hand it (on the native path, with the kernel's squared norm)."""
     rng = np.random.default_rng(6)
     g = make_grads(rng, 1, invalid=True)[0]
-    c = _rowwise.coalesce_all("clip_by_global_norm", g, "auto", None)
-    np.testing.assert_allclose(js.global_norm(c), js.global_norm(g), rtol=1e-6)
+    c, measured = _rowwise.coalesce_all("clip_by_global_norm", g, "auto", None)
+    leaves = jax.tree.leaves(c, is_leaf=_rowwise.is_leaf)
+    assert len(measured) == len(leaves)
+    want = js.global_norm(g)
+    np.testing.assert_allclose(js.global_norm(c), want, rtol=1e-6)
+    got = slices_mod.norm_of_leaves(leaves, measured)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
     assert float(js.global_norm({})) == 0.0
 
 
