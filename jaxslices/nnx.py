@@ -526,7 +526,7 @@ __all__ += ["EmbeddingCollection"]
 
 from . import embedding as _embedding  # noqa: E402
 from . import managed as _managed  # noqa: E402
-from .managed._table import check_layer  # noqa: E402
+from .managed._checks import check_layer  # noqa: E402
 
 _MANAGED = "jaxslices.nnx.ManagedEmbedBag"
 
