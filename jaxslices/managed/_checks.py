@@ -19,9 +19,10 @@ def check_layer(where: str, manager: Any, combiner: str) -> None:
     """A managed bag layer's arguments (the NNX, Linen and Equinox layers).
 
     Example:
-      >>> import jaxslices as js
       >>> from jaxslices.managed._checks import check_layer
-      >>> check_layer("Layer", js.ManagedCollision("t", num_slots=4), "sum")
+      >>> check_layer("Layer", None, "sum")
+      Traceback (most recent call last):
+      TypeError: Layer: `manager` must be a jaxslices.ManagedCollision, got NoneType.
     """
     if not isinstance(manager, ManagedCollision):
         raise TypeError(

@@ -36,7 +36,13 @@ import numpy as np
 
 from ._state import RemapState
 
-__all__ = ["INT32_MAX", "evict", "lookup_and_admit", "saturating_add"]
+__all__ = [
+    "INT32_MAX",
+    "evict",
+    "lookup_and_admit",
+    "rebuild_search",
+    "saturating_add",
+]
 
 INT32_MAX = np.iinfo(np.int32).max
 
@@ -445,4 +451,35 @@ def _drop_evicted(
         recent_slots=recent[2],
         num_recent=num_recent,
         num_stale=state.num_stale + jnp.sum(stale, dtype=jnp.int32),
+    )
+
+
+def rebuild_search(state: RemapState) -> RemapState:
+    """The search structure made again from the slot table alone.
+
+    The main sorted copy holds every tracked id (the occupied slots' ids,
+    sorted by low word, then high word, and their slots; zeros after them),
+    the recent copy is empty and nothing is stale: the state a long run of
+    flushes would have reached. Every lookup, admission and eviction from it
+    gives what the original state gives (they read only which raw id owns
+    which slot, the counters and the free stack); only when later flushes
+    happen differs.
+    """
+    S, K = state.num_slots, state.recent_slots.shape[0]
+    slot = jnp.arange(S, dtype=jnp.int32)
+    free = (~state.occupied).astype(jnp.int32)
+    _, lo, hi, slots = jax.lax.sort(
+        (free, state.ids_lo, state.ids_hi, slot), num_keys=3
+    )
+    live = slot < jnp.sum(state.occupied, dtype=jnp.int32)
+    zeros_u, zeros_i = jnp.zeros((K,), jnp.uint32), jnp.zeros((K,), jnp.int32)
+    return state._replace(
+        sorted_hi=jnp.where(live, hi, jnp.uint32(0)),
+        sorted_lo=jnp.where(live, lo, jnp.uint32(0)),
+        sorted_slots=jnp.where(live, slots, 0),
+        recent_hi=zeros_u,
+        recent_lo=zeros_u,
+        recent_slots=zeros_i,
+        num_recent=jnp.zeros((), jnp.int32),
+        num_stale=jnp.zeros((), jnp.int32),
     )

@@ -16,7 +16,14 @@ from typing import NamedTuple
 
 import jax
 
-__all__ = ["RemapState"]
+__all__ = ["SLOT_TABLE", "RemapState"]
+
+#: The fields a saved state must keep to be restored (the slot table and the
+#: counters); the other fields are the search structure, rebuilt from them.
+SLOT_TABLE = (
+    "table_key", "ids_hi", "ids_lo", "occupied", "counts", "last_seen",
+    "free_slots", "num_free", "step", "admissions", "evictions", "defaulted",
+)  # fmt: skip
 
 
 class RemapState(NamedTuple):

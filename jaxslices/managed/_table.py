@@ -53,6 +53,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import jax
@@ -62,8 +63,8 @@ import numpy as np
 from .. import _errors
 from . import _ops
 from ._raw import RawIds, as_raw_ids
-from ._reference import INT32_MAX, saturating_add
-from ._state import RemapState
+from ._reference import INT32_MAX, rebuild_search, saturating_add
+from ._state import SLOT_TABLE, RemapState
 
 __all__ = ["ManagedCollision", "RemapState"]
 
@@ -310,6 +311,66 @@ class ManagedCollision:
         """
         state = self.check_state(state, f"ManagedCollision({self.name!r}).evict")
         return _evict(self, state)
+
+    def restore(self, saved: Any) -> RemapState:
+        """A state of this table from a saved one: its slot table, the search
+        structure rebuilt.
+
+        The fields of a :class:`RemapState` are the *slot table* (which raw
+        id owns which slot, the counters, the free slots) and a *search
+        structure* (sorted copies of the tracked ids) made from it. Only the
+        slot table says anything; the search structure is rebuilt here (a
+        sort of the slots), so a state saved by a version whose search
+        structure differs (more, fewer or other fields) is read by this one:
+        give it what the checkpoint holds. Remapping from the restored state
+        gives the same rows, admissions and evictions as from the saved one.
+
+        Args:
+          saved: a :class:`RemapState`, or a mapping or object with at least
+            the slot table's fields (``table_key``, ``ids_hi``, ``ids_lo``,
+            ``occupied``, ``counts``, ``last_seen``, ``free_slots``,
+            ``num_free``, ``step``, ``admissions``, ``evictions``,
+            ``defaulted``), e.g. the dictionary Orbax restores.
+
+        Raises:
+          ValueError: a field is missing or has another shape or dtype than
+            this table's (or the state is another table's).
+
+        Example:
+          >>> import jaxslices as js
+          >>> mc = js.ManagedCollision("t", num_slots=4)
+          >>> rows, state, _ = mc.remap(mc.init(), [7, 9])
+          >>> saved = {k: v for k, v in state._asdict().items() if "sorted" not in k}
+          >>> rows, _, _ = mc.remap(mc.restore(saved), [9, 7, 8])
+          >>> rows.tolist()
+          [1, 0, 2]
+        """
+        where = f"ManagedCollision({self.name!r}).restore"
+        if not isinstance(saved, Mapping):  # a RemapState, an older layout's
+            saved = {f: getattr(saved, f, None) for f in SLOT_TABLE}
+        fresh = self.init()
+        table = {}
+        for f in SLOT_TABLE:
+            x = saved.get(f)
+            want = getattr(fresh, f)
+            if x is None:
+                raise ValueError(
+                    f"{where}: the saved state has no `{f}`; the slot table "
+                    f"needs {', '.join(SLOT_TABLE)}."
+                )
+            x = jnp.asarray(x)
+            if x.shape != want.shape or x.dtype != want.dtype:
+                raise ValueError(
+                    f"{where}: the saved `{f}` is {x.dtype}{list(x.shape)}, this "
+                    f"table's {want.dtype}{list(want.shape)}. Restore a state "
+                    "into the table that saved it."
+                )
+            table[f] = x
+        state = self.check_state(fresh._replace(**table), where)
+        return _rebuild_search(state)
+
+
+_rebuild_search = jax.jit(rebuild_search)
 
 
 @functools.partial(jax.jit, static_argnums=0)
