@@ -13,7 +13,8 @@ shard), it lowers to the FFI custom call; on a GPU, inside
 :func:`jaxslices.kernels.gpu_kernels` (opt-in), to its Pallas kernel
 (``_pallas.py``). A TPU kernel would be one more lowering rule: the seam.
 
-Three ops (``csrc/`` holds their kernels):
+Three ops here (``csrc/`` holds their kernels; the managed-collision
+remap's two are in :mod:`jaxslices.managed._ops`):
 
 * :func:`bag_forward`: pooled rows of bags of ids (``embedding_bag``'s
   forward);
@@ -27,6 +28,10 @@ describes the rows of a sparse gradient without making them: slot ``s``
 holds ``scale * weight[s] * src[bag[s]]``, so the pooled gradient of a bag
 (``[B, R]``) stands for its ``[N, R]`` per-id rows. Whether an op runs its
 kernel at all is decided by :mod:`jaxslices.kernels._path`.
+
+A row-wise rule is a :class:`RuleSpec`: its XLA reference is the rule's one
+body (the op's reference and the Pallas kernel call it; the C++ kernel is
+tested against it), and its shape (:data:`SHAPES`) is held here once.
 """
 
 from __future__ import annotations

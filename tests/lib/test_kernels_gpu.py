@@ -425,6 +425,7 @@ def test_the_gpu_path_is_opt_in(monkeypatch):
         assert _path.decide(table) == ""
         why = _path.decide(jnp.ones((8, 3)))
         assert "power-of-two" in why
+        assert "no GPU kernel" in _path.decide(table, gpu=False)  # the remap
         with js.kernels.disabled():
             assert "off" in _path.decide(table)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
