@@ -131,8 +131,9 @@ def renorm_rows(
 def _max_norm_native(g, st, p, hp, cfg):
     """The kernel's rule on ``[K, R]`` rows (its XLA reference): rows scaled."""
     max_norm, norm_type = cfg
-    scale = _scales(st, max_norm, norm_type)
-    return g, st * scale[:, None]
+    (rows,) = st
+    scale = _scales(rows, max_norm, norm_type)
+    return g, (rows * scale[:, None],)
 
 
 def apply_max_norm(
@@ -191,7 +192,6 @@ def apply_max_norm(
             "max_norm",
             _max_norm_native,
             cfg=(float(max_norm), float(norm_type)),
-            uses_state=True,
         )
         new, *_ = kernel_ops.rowwise(
             kernel_ops.PooledGradient(

@@ -10,7 +10,7 @@ import jax
 
 from .. import embedding as _embedding
 from .. import managed
-from ..managed._table import check_layer
+from ..managed._checks import check_layer
 
 _MANAGED = "jaxslices.equinox.ManagedEmbeddingBag"
 

@@ -76,9 +76,10 @@ TARGETS = {
     for ids in ("s32", "s64")
 }
 TARGETS["jaxslices_pool_threads"] = "JaxslicesPoolThreads"
-# The managed-collision remap (jaxslices/managed/_table.py): int32 only.
-TARGETS["jaxslices_managed_admit_s32"] = "JaxslicesManagedAdmitS32"
-TARGETS["jaxslices_managed_evict_s32"] = "JaxslicesManagedEvictS32"
+# The managed-collision remap (jaxslices/managed/_ops.py): no ids dtype (raw
+# ids are pairs of uint32 words), one registration each.
+TARGETS["jaxslices_managed_admit"] = "JaxslicesManagedAdmit"
+TARGETS["jaxslices_managed_evict"] = "JaxslicesManagedEvict"
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 

@@ -11,7 +11,7 @@ from flax import linen as nn
 
 from .. import embedding as _embedding
 from .. import managed
-from ..managed._table import check_layer
+from ..managed._checks import check_layer
 
 _MANAGED = "jaxslices.linen.ManagedEmbedBag"
 

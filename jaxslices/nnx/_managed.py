@@ -11,7 +11,7 @@ from flax import nnx
 
 from .. import embedding as _embedding
 from .. import managed
-from ..managed._table import check_layer
+from ..managed._checks import check_layer
 from ._embeddings import EMBED_INIT
 
 _MANAGED = "jaxslices.nnx.ManagedEmbedBag"

@@ -488,13 +488,11 @@ def _ftrl_math(g, n, z, p, lr, k, l1, l2, l2_shrinkage, beta, power):
 
 
 def _ftrl_native(g, st, p, hp, sqrt_power):
-    r = g.shape[1]
-
     def power(x, k):
         return jnp.sqrt(x) if sqrt_power else jnp.power(x, k)
 
-    upd, n, z = _ftrl_math(g, st[:, :r], st[:, r:], p, *hp, power)
-    return upd, jnp.concatenate([n, z], axis=1)
+    upd, n, z = _ftrl_math(g, *st, p, *hp, power)
+    return upd, (n, z)
 
 
 def _check_nonnegative(**kwargs: Any) -> None:
@@ -603,8 +601,6 @@ def ftrl(
         "ftrl",
         _ftrl_native,
         cfg=sqrt_power,
-        uses_state=True,
-        uses_params=True,
         sqrt_power=bool(sqrt_power),
     )
 

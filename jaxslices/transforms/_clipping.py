@@ -150,11 +150,11 @@ def clip_by_global_norm(
 
 
 def _clip_native(g, st, p, hp, cfg):
-    return jnp.clip(g, -hp[0], hp[0]), None
+    return jnp.clip(g, -hp[0], hp[0]), ()
 
 
 def _row_norm_native(g, st, p, hp, cfg):
-    return _row_norm_scale(g, hp[0]), None
+    return _row_norm_scale(g, hp[0]), ()
 
 
 _CLIP_SPEC = kernel_ops.RuleSpec("clip", _clip_native)

@@ -415,7 +415,7 @@ StateEntry = tuple[str, Any] | tuple[str, Any, int]
 
 
 def _coalesce_native(g, st, p, hp, cfg):
-    return g, None
+    return g, ()
 
 
 _COALESCE_SPEC = kernel_ops.RuleSpec("coalesce", _coalesce_native)

@@ -243,8 +243,9 @@ def test_int64_ids_in_the_kernels_under_x64():
         src = jnp.asarray(rng.normal(size=(12, 4)), jnp.float32)
         spec = _ops.RuleSpec(
             "rss",
-            lambda g, st, p, hp, cfg: (g / jnp.sqrt(g * g + st + hp[0]), g * g + st),
-            uses_state=True,
+            lambda g, st, p, hp, cfg: (
+                g / jnp.sqrt(g * g + st[0] + hp[0]), (g * g + st[0],)
+            ),
         )
         rec = _ops.PooledGradient(src)
         for native in (True, False):
@@ -733,8 +734,10 @@ def test_a_gate_that_changes_its_answer_between_traces_keeps_the_first_path(
     tests/scale/test_sharding.py), the later trace follows discovery instead
     of failing with "different embedding lookups on different traces"."""
     answers = iter(["XLA for the first trace"])
-    real = _path._why_not
-    monkeypatch.setattr(_path, "_why_not", lambda *a: next(answers, None) or real(*a))
+    real = _path.decide
+    monkeypatch.setattr(
+        _path, "decide", lambda *a, **k: next(answers, None) or real(*a, **k)
+    )
     table = jnp.arange(40.0).reshape(10, 4)
     ids = jnp.array([[1, 2, 2], [9, 0, -1]], jnp.int32)
 
