@@ -102,10 +102,12 @@ def pytest_collection_modifyitems(config, items):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     dropped = getattr(config, "_jaxslices_one_leg", 0)
     if dropped:
+        import jax
+
         from jaxslices import _jax_compat as compat
 
         terminalreporter.write_line(
             f"{dropped} notebook and long example runs deselected: they run on "
-            f"the newest tested JAX line ({compat.NEWEST_TESTED}), not on "
-            f"{compat.JAX_VERSION}; JAXSLICES_EVERY_LEG=1 runs them here"
+            f"the newest tested JAX line ({compat.NEWEST_TESTED}), not on JAX "
+            f"{jax.__version__}; JAXSLICES_EVERY_LEG=1 runs them here"
         )

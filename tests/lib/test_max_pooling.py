@@ -102,16 +102,15 @@ def _loss(pool, cot):
 @settings(max_examples=15, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
-    num_rows=st.integers(1, 7),
     lead=st.sampled_from([(1,), (4,), (2, 3)]),
-    length=st.integers(1, 5),
     row_shape=st.sampled_from([(), (3,), (2, 2)]),
     dtype=st.sampled_from(FLOAT_DTYPES),
     padding=st.sampled_from([None, -1, 0, 2]),
 )
-def test_matches_pytorch_padded_and_jagged(
-    seed, num_rows, lead, length, row_shape, dtype, padding
-):
+def test_matches_pytorch_padded_and_jagged(seed, lead, row_shape, dtype, padding):
+    # Lengths fixed (ids and values drawn; out-of-range and padding ids among
+    # them): a case compiles once per drawn structure, not per length.
+    num_rows, length = 7, 4
     rng = np.random.default_rng(seed)
     table = rng.integers(-2, 3, (num_rows, *row_shape)).astype(np.float32)
     ids = rng.integers(-3, num_rows + 3, (*lead, length)).astype(np.int32)

@@ -1,4 +1,8 @@
-"""Every example runs with tiny settings and reports sensible metrics."""
+"""Every example runs with tiny settings and reports sensible metrics.
+
+The long runs (``newest_leg``) execute on the newest tested JAX line only
+(tests/conftest.py); the library code they exercise is tested on every leg.
+"""
 
 import importlib
 import json
@@ -75,6 +79,7 @@ def test_quickstart():
     )
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a long run, newest JAX line
 @needs_recbole
 def test_movielens_tiny(tmp_path):
     movielens = importlib.import_module("movielens")
@@ -157,6 +162,7 @@ def test_demo_falls_back_to_synthetic_data(monkeypatch, tmp_path, capsys):
     assert r["dataset"] == "synthetic ratings" and r["num_items"] == 900
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a long run, newest JAX line
 @needs_gensim
 def test_word2vec_tiny(tmp_path):
     word2vec = importlib.import_module("word2vec")
@@ -179,6 +185,7 @@ def test_spearman_matches_definition():
     )
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a long run, newest JAX line
 def test_dlrm_tiny(tmp_path):
     """26 Criteo-shaped tables in one buffer; the loss falls; plot and JSON."""
     dlrm = importlib.import_module("dlrm")
@@ -203,6 +210,7 @@ def test_dlrm_tiny(tmp_path):
     ]
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a long run, newest JAX line
 def test_managed_ids_compares_the_ways(tmp_path):
     """Modulo hashing, a managed LRU table (LFU: the same code, in the full
     run) and one row per id on one drifting Zipf stream: the managed table
@@ -224,6 +232,7 @@ def test_managed_ids_compares_the_ways(tmp_path):
     assert (tmp_path / "managed_ids.png").exists()
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a long run, newest JAX line
 @needs_recbole
 def test_low_precision_compares_the_precisions(tmp_path):
     """MovieLens and the DLRM, float32 / bf16 nearest / bf16 stochastic: the
