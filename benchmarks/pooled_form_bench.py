@@ -3,9 +3,11 @@
 ``embedding_bag``'s gradient carries its pooled form (``IndexedSlices.recipe``:
 the ``[B, D]`` bag gradient, the ids and their weights), which the native
 kernels read instead of the ``[N, D]`` per-id rows. jaxslices' own tree
-functions keep it (``js.tree_scale``), and so does generic tree code that
-rebuilds the slices from the same leaves (``jax.tree.map(lambda x: x, g)``,
-what wrappers do); before that, both made the kernels read materialised rows.
+functions keep it (``js.tree_scale``); generic tree code that rebuilds the
+slices from their leaves (``jax.tree.map(lambda x: x, g)``, what wrappers do)
+loses it, since flattening and unflattening are pure, and the kernels then
+read the materialised rows (``explain`` says so; the cost is what this
+script measures).
 This script times the same donated row-wise Adagrad step three ways,
 interleaved in one process: plain, with ``js.tree_scale(0.5, g)`` and with an
 identity ``jax.tree.map`` between ``value_and_grad`` and ``tx.update``; and
