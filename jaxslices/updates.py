@@ -47,6 +47,7 @@ def _apply_leaf(
     if isinstance(u, IndexedSlices):
         if low:
             sr = True if stochastic is None else stochastic
+            seed = _rounding.step_seed(seed, slices.step_of(u))
             return slices._scatter_rounded(p, u, where, stochastic=sr, seed=seed)
         return slices._scatter_add(p, u, where)  # lays the rows out on a mesh first
     if low and stochastic:  # dense leaves round stochastically when asked
@@ -80,12 +81,13 @@ def apply_updates(
     half an ulp of the weight survives on average (docs/optax.md,
     "Low-precision tables"). ``stochastic_rounding=False`` rounds to
     nearest. Dense low-precision leaves round to nearest, as Optax, unless
-    ``stochastic_rounding=True``. The rounding noise is a hash of ``key``,
-    the row, the column and the float32 value (:mod:`jaxslices._rounding`),
-    the same on the XLA path and the native kernels: deterministic, and
-    different whenever the value differs; pass ``key`` (the step, or a
-    ``jax.random`` key) to make two steps' draws independent when the values
-    can repeat exactly.
+    ``stochastic_rounding=True``. The rounding noise is a hash of the seed,
+    the entry's row and column and its float32 value
+    (:mod:`jaxslices._rounding`), bitwise the same on the XLA path and the
+    native kernels: independent per entry, and per step, the seed mixing
+    ``key`` with the step count a jaxslices optimizer gives its sparse
+    updates of a low-precision table (no ``key`` needed; ``key`` makes
+    another reproducible draw, e.g. per run).
 
     :func:`optax.apply_updates` also works with slices updates (it computes
     ``p + u``, which ``IndexedSlices`` turns into a scatter-add); this function
@@ -100,8 +102,10 @@ def apply_updates(
         params: ``None`` (default) stochastically for sparse updates and to
         nearest for dense ones; ``True`` stochastically for both; ``False``
         to nearest. Float32 and wider params are unaffected.
-      key: the seed of stochastic rounding: ``None`` (0), an integer such
-        as the step, or a ``jax.random`` key.
+      key: the seed of stochastic rounding: ``None`` (0), an integer, or a
+        ``jax.random`` key; mixed with the optimizer's step count where the
+        updates carry one (the jaxslices optimizers' on a low-precision
+        table).
 
     Returns:
       The updated params, each leaf in its original dtype.

@@ -104,7 +104,9 @@ def _decisions(jaxpr: Any, per_device: bool) -> list[Decision]:
             out.append(Decision(eqn.params["op"], False, eqn.params["reason"]))
         elif name in NATIVE_OPS:
             label = eqn.params.get("label") or name
-            if per_device:
+            if not eqn.params.get("native", True):  # decided when traced
+                out.append(Decision(label, False, eqn.params["reason"]))
+            elif per_device:
                 why = reads[label].pop(0) if reads[label] else ""
                 out.append(Decision(label, True, "", why))
             else:

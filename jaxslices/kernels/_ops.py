@@ -244,20 +244,24 @@ def _recipe_args(recipe: Recipe) -> tuple[list[Any], dict[str, bool]]:
     }
     # The kernels sum in float32: a bfloat16/float16 gradient (a low-precision
     # table's) is widened here ([M, R], exact), so the reference sums in
-    # float32 too.
-    return [_f32(recipe.src), bag, weight, scale], present
+    # float32 too (a wider one, on the XLA path only, stays as it is).
+    src = jnp.asarray(recipe.src)
+    if jnp.issubdtype(src.dtype, jnp.inexact):
+        src = src.astype(jnp.promote_types(src.dtype, jnp.float32))
+    return [src, bag, weight, scale], present
 
 
 def _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length):
     n = ids.shape[0]
     if n == 0:  # no slots (ids [B, 0] of a recipe whose src is [B, R])
         return jnp.zeros((0, src.shape[1]), src.dtype)
+    exact = not jnp.issubdtype(src.dtype, jnp.inexact)  # an integer table's rows
     return Recipe(
         src,
         bag if has_bag else None,
         length,
         weight if has_weight else None,
-        scale,
+        None if exact else scale,
     ).values(n)
 
 
@@ -395,7 +399,7 @@ NATIVE_OPS = frozenset(
 
 def _apply_reference(
     table, src, ids, bag, weight, scale, seed, *, has_bag, has_weight, coalesced,
-    length, stochastic, **_,
+    length, stochastic, indices_sorted=False, **_,
 ):  # fmt: skip
     values = _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length)
     num_rows = table.shape[0]
@@ -404,7 +408,10 @@ def _apply_reference(
         return [_apply_rounded(table, values, safe, seed, coalesced, stochastic)]
     values = values.reshape((-1, *table.shape[1:]))
     out = table.at[safe].add(
-        values.astype(table.dtype), mode="drop", unique_indices=coalesced
+        values.astype(table.dtype),
+        mode="drop",
+        unique_indices=coalesced,
+        indices_are_sorted=coalesced and indices_sorted,
     )
     return [out]
 
@@ -413,7 +420,8 @@ def _apply_rounded(table, values, safe, seed, coalesced, stochastic):
     """A bfloat16/float16 table plus float32 rows ``[N, R]``, rounded once per row.
 
     Duplicates summed in float32 (slot order), each touched row read and
-    added in float32, written back rounded (:func:`_rounding.round_to`).
+    added in float32, written back rounded (:func:`_rounding.round_to`, the
+    noise of each entry's row and column).
     """
     num_rows = table.shape[0]
     if values.shape[0] == 0:
@@ -425,7 +433,9 @@ def _apply_rounded(table, values, safe, seed, coalesced, stochastic):
     gather = {"mode": "fill", "fill_value": 0, "unique_indices": True}
     old = flat_rows(table.at[uids].get(**gather)).astype(jnp.float32)
     total = old + summed
-    new = _rounding.round_to(total, table.dtype, stochastic=stochastic, seed=seed)
+    new = _rounding.round_to(
+        total, table.dtype, stochastic=stochastic, seed=seed, rows=uids
+    )
     new = new.reshape((-1, *table.shape[1:]))
     return table.at[uids].set(new, mode="drop", unique_indices=True)
 
@@ -458,12 +468,22 @@ def apply(
     ids: jax.Array,
     *,
     coalesced: bool = False,
+    indices_sorted: bool = False,
     sum_duplicates: bool = False,
     stochastic: bool = False,
     seed: Any = None,
+    native: bool = True,
+    reason: str = "",
     label: str = "",
 ) -> jax.Array:
     """``table`` ``[V, *row]`` plus the recipe's rows at ``ids``, in place.
+
+    The one body of the update of a table (``jaxslices.apply_updates``,
+    ``scatter_add``, ``IndexedSlices + array``): the primitive is bound
+    whatever the path, with the decision of :func:`_path.decide`
+    (``native``, and the ``reason`` when not); its lowering runs the kernel
+    or this op's XLA reference, which is the XLA path. ``coalesced``
+    (distinct valid ids) and ``indices_sorted`` are XLA's scatter promises.
 
     A bfloat16 or float16 ``table``: the rows of each id are summed in
     float32 (in slot order), added to the row in float32 and the row
@@ -491,10 +511,12 @@ def apply(
         seed,
         **present,
         coalesced=bool(coalesced),
+        indices_sorted=bool(indices_sorted),
         sum_duplicates=bool(sum_duplicates),
         stochastic=bool(stochastic),
         length=int(recipe.length),
-        fallback=None,
+        native=bool(native),
+        reason=str(reason),
         label=label,
     )
     return out

@@ -38,6 +38,7 @@ from . import _build
 
 __all__ = [
     "Decision",
+    "decide",
     "disabled",
     "gpu_kernels",
     "note",
@@ -197,10 +198,24 @@ def route(
     a rule reads) one of :data:`TABLE_DTYPES` (on a GPU: float32), and none
     is batched by ``jax.vmap``. Otherwise the caller runs its XLA path.
     """
+    decision = decide(op, *arrays, tables=tables, dtypes=dtypes)
+    if not decision.native:
+        note(op, decision.reason)
+    return decision.native
+
+
+def decide(
+    op: str,
+    *arrays: Any,
+    tables: tuple[Any, ...] = (),
+    dtypes: tuple[Any, ...] = (jnp.float32,),
+) -> Decision:
+    """:func:`route`'s decision, not recorded: for an op that binds its
+    primitive either way and carries the decision in its parameters
+    (``native``, ``reason``: the lowering runs the XLA reference when not
+    native, and :func:`jaxslices.kernels.explain` reads them there)."""
     reason = _why_not(arrays, dtypes, tables)
-    if reason is not None:
-        note(op, reason)
-    return reason is None
+    return Decision(op, reason is None, reason or "")
 
 
 def _why_not(
@@ -228,6 +243,8 @@ def _why_not(
         if x is None:
             continue
         dtype = jnp.result_type(x)
+        if is_table and not jnp.issubdtype(dtype, jnp.inexact):
+            return f"a {jnp.dtype(dtype).name} table (the kernels take float tables)"
         if jnp.issubdtype(dtype, jnp.inexact) and dtype not in allowed:
             names = ", ".join(jnp.dtype(d).name for d in allowed)
             if not is_table and jnp.dtype(dtype) in TABLE_DTYPES:

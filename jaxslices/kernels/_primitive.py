@@ -58,6 +58,12 @@ def check_ids_dtype(ids: Any, where: str) -> None:
         )
 
 
+def _decided_native(params: dict[str, Any]) -> bool:
+    """An op bound with :func:`_path.decide`'s decision (``native``) lowers
+    to its XLA reference when the decision was the XLA path."""
+    return bool(params.get("native", True))
+
+
 class NativeOp:
     """A primitive: a C++ kernel on CPU, its XLA reference everywhere else.
 
@@ -133,8 +139,8 @@ class NativeOp:
         per_device = _jax_compat.lowering_is_per_device(ctx)
         # The switch is part of jit's cache keys (kernels._path), so a direct
         # op call inside ``disabled()`` lowers to its reference too.
-        native = _path._enabled() and per_device
-        if params["fallback"] is None and native and _build.load():
+        native = _path._enabled() and per_device and _decided_native(params)
+        if params.get("fallback") is None and native and _build.load():
             threads, min_slots = _threads.thread_setting()
             values = {**params, "threads": threads, "min_slots": min_slots}
             attrs = {k: kind(values[k]) for k, kind in self.attrs.items()}
@@ -151,7 +157,8 @@ class NativeOp:
         # Opted in (a user context, part of jit's cache keys, as `disabled`),
         # on one device or inside shard_map, operands the kernels take.
         pallas = (
-            params["fallback"] is None
+            params.get("fallback") is None
+            and _decided_native(params)
             and _path._gpu_enabled()
             and _jax_compat.lowering_is_per_device(ctx)
             and _pallas.unsupported(*ctx.avals_in) is None

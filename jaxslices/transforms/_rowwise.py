@@ -233,7 +233,9 @@ def set_rows(
     flags = promises(c)  # a layout constraint rebuilds c without its flags
     idx, new_rows = _spmd.replicate_rows(x, (slices.safe_indices(c), new_rows))
     if seed is not None and _rounding.is_low_precision(x.dtype):
-        new_rows = _rounding.round_to(new_rows, x.dtype, stochastic=True, seed=seed)
+        new_rows = _rounding.round_to(
+            new_rows, x.dtype, stochastic=True, seed=seed, rows=idx
+        )
     return x.at[idx].set(new_rows.astype(x.dtype), mode="drop", **flags)
 
 
@@ -601,6 +603,15 @@ def rowwise_update(
             )
             if done is not None:
                 return Out(done[0], *([done[1]] if st else []))
+        # A low-precision table's gradient or state: one float32 result per
+        # entry, as the kernels compute it. The gradient's float32 rows
+        # (summed in float32), the state read in float32, the rule in
+        # float32, each state written rounded once (stochastically when
+        # `sr`), the update kept in float32 (the apply rounds it once).
+        g_dtype = g.dtype
+        wide = any(low) or _rounding.is_low_precision(g_dtype)
+        if wide:
+            g = slices.float32_rows(g)
         c = coalesce_for_update(g, method, bound, where(name, path))
         p_rows = None if p is None else rows(p, c)
         # A packed (V, k, *row) leaf is gathered and scattered as (V, k * R)
@@ -630,17 +641,25 @@ def rowwise_update(
             return jnp.concatenate([_store_as(q, dtype) for q in rows_], axis=1)
 
         st_rows = tuple(rows(f, c) for f in flat)
-        if sr:
+        if wide:
             st_rows = tuple(r.astype(jnp.float32) for r in st_rows)
-        upd, new = run(c.values, st_rows, p_rows, split, join, wide=sr)
+            if p_rows is not None:
+                p_rows = p_rows.astype(jnp.promote_types(p_rows.dtype, jnp.float32))
+        upd, new = run(c.values, st_rows, p_rows, split, join, wide=wide)
         new_st = tuple(
             set_rows(f, c, r, state_seed(name, i) if sr else None).reshape(x.shape)
             for i, (f, x, r) in enumerate(zip(flat, st, new, strict=True))
         )
         upd = mask_padding(c, jnp.asarray(upd))
-        return Out(_replace_values(c, upd), *new_st)
+        if not wide:
+            return Out(_replace_values(c, upd), *new_st)
+        # The update in the gradient's dtype, its float32 rows as its recipe
+        # (what the apply reads, on both paths).
+        out = _replace_values(c, upd.astype(g_dtype))
+        flat_upd = upd.reshape(upd.shape[0], math.prod(upd.shape[1:]))
+        out = slices.with_recipe(out, Recipe(flat_upd.astype(jnp.float32)))
+        return Out(out, *new_st)
 
-    check_stochastic_rounding(stochastic_rounding, name)
     check_stochastic_rounding(stochastic_rounding, name)
     for other_name, other in others:
         _leaves.check_structure(

@@ -97,8 +97,8 @@ static void Apply(const Recipe<IdT>& r, float* table, int64_t num_rows,
 }
 
 // A low-precision table: each distinct id's summed row added in float32 and
-// the row rounded once (stochastically: the noise of row id, column k and
-// the float32 sum's bits).
+// the row rounded once (stochastically: the noise of the seed, the row id,
+// the column and the float32 result's bits, common.h's EntryNoise).
 template <typename T, typename IdT>
 static void ApplyRounded(const Recipe<IdT>& r, T* table, int64_t num_rows,
                          bool coalesced, bool stochastic, uint32_t seed,
@@ -116,7 +116,7 @@ static void ApplyRounded(const Recipe<IdT>& r, T* table, int64_t num_rows,
     const int64_t id = static_cast<int64_t>(u[j]);
     T* row = table + id * R;
     const float* a = rows + j * R;
-    AddRoundRow(row, a, R, stochastic, seed_mixed);
+    AddRoundRow(row, a, R, stochastic, RowNoise(seed_mixed, id));
   };
   const int64_t threads = t.For(r.num_slots);
   if (coalesced) {  // distinct ids: each slot's row added and rounded in turn
@@ -138,7 +138,7 @@ static void ApplyRounded(const Recipe<IdT>& r, T* table, int64_t num_rows,
         if (x) Axpy(a.data(), x, r.factor(s), R, true);
         else std::fill(a.begin(), a.end(), 0.0f);
         AddRoundRow(table + static_cast<int64_t>(id) * R, a.data(), R, stochastic,
-                    seed_mixed);
+                    RowNoise(seed_mixed, id));
       }
     });
     return;
