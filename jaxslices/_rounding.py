@@ -27,7 +27,9 @@ the step the optimizer counts (:func:`step_seed`; the jaxslices
 optimizers count their steps for a low-precision table, so no ``key`` is
 needed). The row is the one of the array written: a table alone and its
 rows stacked in a collection's buffer draw differently (alike in
-distribution), the XLA path and the kernels bitwise alike.
+distribution), the XLA path and the kernels bitwise alike; a sharding
+plan's buffers read the rows of the collection's buffer they hold
+(``collection._buffers.noise_origin``), so a plan rounds as one device.
 
 How each format rounds:
 

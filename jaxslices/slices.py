@@ -1072,7 +1072,13 @@ def _scatter_add(x: Any, s: IndexedSlices, where: str) -> jax.Array:
 
 
 def _scatter_rounded(
-    x: Any, s: IndexedSlices, where: str, *, stochastic: bool, seed: Any
+    x: Any,
+    s: IndexedSlices,
+    where: str,
+    *,
+    stochastic: bool,
+    seed: Any,
+    origin: Any = None,
 ) -> jax.Array:
     """Add ``s`` to a bfloat16/float16 ``x`` in float32, one rounding per row.
 
@@ -1082,9 +1088,12 @@ def _scatter_rounded(
     per step whatever its number of duplicates. The rows added are the
     pooled gradient's float32 rows where the slices carry it (a scaled
     gradient, ``-lr * g``, is not rounded to the table's dtype first), on
-    both paths.
+    both paths. ``origin``: where the noise reads each row
+    (:func:`jaxslices.kernels._ops.noise_rows`; ``None``: the row itself).
     """
-    return _apply(x, s, where, low=True, stochastic=stochastic, seed=seed)
+    return _apply(
+        x, s, where, low=True, stochastic=stochastic, seed=seed, origin=origin
+    )
 
 
 def _apply(
@@ -1095,6 +1104,7 @@ def _apply(
     low: bool = False,
     stochastic: bool = False,
     seed: Any = None,
+    origin: Any = None,
 ) -> jax.Array:
     """The one apply: ``kernel_ops.apply``, bound on either path.
 
@@ -1111,7 +1121,9 @@ def _apply(
     # dropped) promise XLA unique (and maybe sorted) indices: a cheaper scatter.
     flags = {"coalesced": s.unique_indices, "indices_sorted": s.indices_sorted}
     if low:
-        flags.update(sum_duplicates=True, stochastic=stochastic, seed=seed)
+        flags.update(
+            sum_duplicates=True, stochastic=stochastic, seed=seed, origin=origin
+        )
     decision = kernel_path.decide(where, tables=(x, s.values))
     if decision.native:
         # The table whole (a reshape in between would make XLA copy it).

@@ -22,7 +22,12 @@ _WHERE = "jaxslices.apply_updates"
 
 
 def _apply_leaf(
-    path: Any, p: Any, u: Any, stochastic: bool | None = None, seed: Any = None
+    path: Any,
+    p: Any,
+    u: Any,
+    stochastic: bool | None = None,
+    seed: Any = None,
+    origin: Any = None,
 ) -> Any:
     where = _leaves.label(_WHERE, path)
     if p is None:
@@ -48,7 +53,9 @@ def _apply_leaf(
         if low:
             sr = True if stochastic is None else stochastic
             seed = _rounding.step_seed(seed, slices.step_of(u))
-            return slices._scatter_rounded(p, u, where, stochastic=sr, seed=seed)
+            return slices._scatter_rounded(
+                p, u, where, stochastic=sr, seed=seed, origin=origin
+            )
         return slices._scatter_add(p, u, where)  # lays the rows out on a mesh first
     if low and stochastic:  # dense leaves round stochastically when asked
         total = p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)
@@ -127,6 +134,21 @@ def apply_updates(
              [1., 1.],
              [0., 0.]], dtype=float32)
     """
+    return apply_leaves(params, updates, stochastic_rounding, key)
+
+
+def apply_leaves(
+    params: Any,
+    updates: Any,
+    stochastic_rounding: bool | None,
+    key: Any,
+    origins: Any = None,
+) -> Any:
+    """:func:`apply_updates`, with ``origins``: a function ``leaf index ->``
+    where the rounding noise reads the rows of that leaf of
+    ``jax.tree.leaves(params)`` (:func:`jaxslices.kernels._ops.noise_rows`;
+    ``None``: the rows themselves). A sharding plan's step gives its buffers'
+    rows the rows of the collection's buffers, so it rounds as one device."""
     _leaves.check_structure(_WHERE, params, "params", updates, "updates")
     if not (stochastic_rounding is None or isinstance(stochastic_rounding, bool)):
         raise TypeError(
@@ -134,9 +156,19 @@ def apply_updates(
             f"Python value: it chooses the program); got {stochastic_rounding!r}."
         )
     seed = _rounding.seed_from(key)
+    if origins is None:
+        return jax.tree_util.tree_map_with_path(
+            lambda path, p, u: _apply_leaf(path, p, u, stochastic_rounding, seed),
+            params,
+            updates,
+            is_leaf=_leaves.is_leaf,
+        )
+    index = iter(range(len(jax.tree.leaves(params))))
+
+    def leaf(path, p, u):
+        origin = None if p is None else origins(next(index))
+        return _apply_leaf(path, p, u, stochastic_rounding, seed, origin)
+
     return jax.tree_util.tree_map_with_path(
-        lambda path, p, u: _apply_leaf(path, p, u, stochastic_rounding, seed),
-        params,
-        updates,
-        is_leaf=_leaves.is_leaf,
+        leaf, params, updates, is_leaf=_leaves.is_leaf
     )

@@ -398,14 +398,19 @@ NATIVE_OPS = frozenset(
 
 
 def _apply_reference(
-    table, src, ids, bag, weight, scale, seed, *, has_bag, has_weight, coalesced,
-    length, stochastic, indices_sorted=False, **_,
+    table, src, ids, bag, weight, scale, seed, origin=None, *, has_bag, has_weight,
+    coalesced, length, stochastic, indices_sorted=False, **_,
 ):  # fmt: skip
     values = _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length)
     num_rows = table.shape[0]
     safe = jnp.where((ids >= 0) & (ids < num_rows), ids, num_rows)
     if _rounding.is_low_precision(table.dtype):
-        return [_apply_rounded(table, values, safe, seed, coalesced, stochastic)]
+        if origin is None:
+            origin = jnp.asarray(identity_origin(ids.dtype))
+        rounded = _apply_rounded(
+            table, values, safe, seed, origin, coalesced, stochastic
+        )
+        return [rounded]
     values = values.reshape((-1, *table.shape[1:]))
     out = table.at[safe].add(
         values.astype(table.dtype),
@@ -416,7 +421,22 @@ def _apply_reference(
     return [out]
 
 
-def _apply_rounded(table, values, safe, seed, coalesced, stochastic):
+def noise_rows(origin: jax.Array, ids: jax.Array) -> jax.Array:
+    """Where the rounding noise reads each of the rows ``ids``: ``origin`` is
+    ``[base, first_0, coord_0, first_1, coord_1, ...]`` (``csrc/apply.cc``'s
+    ``Origin``), row ``i`` reads ``g - first_k + coord_k``, ``g = i + base``."""
+    first, coord = origin[1::2], origin[2::2]
+    g = ids + origin[0]
+    k = jnp.clip(jnp.searchsorted(first, g, side="right") - 1, 0, first.shape[0] - 1)
+    return g - first[k] + coord[k]
+
+
+def identity_origin(dtype: Any) -> np.ndarray:
+    """The origin of rows read where they are (``[0, 0, 0]``)."""
+    return np.zeros((3,), dtype)
+
+
+def _apply_rounded(table, values, safe, seed, origin, coalesced, stochastic):
     """A bfloat16/float16 table plus float32 rows ``[N, R]``, rounded once per row.
 
     Duplicates summed in float32 (slot order), each touched row read and
@@ -433,8 +453,9 @@ def _apply_rounded(table, values, safe, seed, coalesced, stochastic):
     gather = {"mode": "fill", "fill_value": 0, "unique_indices": True}
     old = flat_rows(table.at[uids].get(**gather)).astype(jnp.float32)
     total = old + summed
+    rows = noise_rows(origin, uids)
     new = _rounding.round_to(
-        total, table.dtype, stochastic=stochastic, seed=seed, rows=uids
+        total, table.dtype, stochastic=stochastic, seed=seed, rows=rows
     )
     new = new.reshape((-1, *table.shape[1:]))
     return table.at[uids].set(new, mode="drop", unique_indices=True)
@@ -472,6 +493,7 @@ def apply(
     sum_duplicates: bool = False,
     stochastic: bool = False,
     seed: Any = None,
+    origin: Any = None,
     native: bool = True,
     reason: str = "",
     label: str = "",
@@ -484,6 +506,8 @@ def apply(
     (``native``, and the ``reason`` when not); its lowering runs the kernel
     or this op's XLA reference, which is the XLA path. ``coalesced``
     (distinct valid ids) and ``indices_sorted`` are XLA's scatter promises.
+    ``origin`` (ids' dtype, :func:`noise_rows`): where the stochastic
+    rounding's noise reads each row (``None``: the row itself).
 
     A bfloat16 or float16 ``table``: the rows of each id are summed in
     float32 (in slot order), added to the row in float32 and the row
@@ -503,12 +527,15 @@ def apply(
     check_ids_dtype(ids, label or "apply")
     args, present = _recipe_args(recipe)
     seed = jnp.zeros((), jnp.uint32) if seed is None else jnp.asarray(seed, jnp.uint32)
+    if origin is None:
+        origin = identity_origin(ids.dtype)
     (out,) = _APPLY.bind(
         table,
         args[0],
         ids,
         *args[1:],
         seed,
+        jnp.asarray(origin, ids.dtype),
         **present,
         coalesced=bool(coalesced),
         indices_sorted=bool(indices_sorted),

@@ -258,7 +258,8 @@ def _round_state(x: Any, dtype: Any, seed: jax.Array) -> jax.Array:
 
 def state_seed(name: str, i: int) -> jax.Array:
     """The rounding seed of a transform's ``i``-th state tree (fixed per state,
-    so two states' draws differ; the hash also reads the value)."""
+    so two states' draws differ; the hash also reads each entry's row, column
+    and value)."""
     return _rounding.mix32(jnp.asarray(zlib.crc32(f"{name}/{i}".encode()), jnp.uint32))
 
 

@@ -171,6 +171,13 @@ def scale_by_learning_rate(
     return _counting_steps(scale(m * learning_rate), counts=False)
 
 
+class _EitherState:
+    """What :func:`_counting_steps` inits on optax's params placeholder."""
+
+
+_EITHER_STATE = _EitherState()
+
+
 def _counting_steps(
     inner: optax.GradientTransformationExtraArgs, *, counts: bool
 ) -> optax.GradientTransformationExtraArgs:
@@ -186,6 +193,10 @@ def _counting_steps(
 
     def init_fn(params):
         state = inner.init(params)
+        if type(params).__name__ == "_ParamsPlaceholder":
+            # optax.tree_utils.tree_map_params inits on a placeholder that has
+            # no dtypes: a leaf stands for either state (not params-like).
+            return _EITHER_STATE
         low = any(
             _rounding.is_low_precision(getattr(x, "dtype", None))
             for x in jax.tree.leaves(params)

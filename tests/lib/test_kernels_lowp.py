@@ -128,7 +128,7 @@ def test_rounding_is_bitwise_xlas_on_every_pattern_and_any_total(dtype, stochast
 @pytest.mark.parametrize("dtype", LOW)
 def test_stochastic_rounding_on_the_native_path_is_unbiased(dtype):
     """A tenth of an ulp added to 1024 distinct entries, with 4 seeds (the
-    noise hashes the value and the seed): about a tenth round up."""
+    noise hashes the seed, the entry and its value): about a tenth round up."""
     mant = int(jnp.finfo(dtype).nmant)
     j = np.arange(128)
     w = (2.0 ** np.arange(-4, 4)[:, None] * (1 + j / 128)).ravel()

@@ -260,8 +260,8 @@ def test_a_low_precision_trace_is_rounded_stochastically(dtype):
 @pytest.mark.parametrize("dtype", LOW)
 def test_sparse_adagrad_state_equals_dense_with_stochastic_rounding(dtype):
     """Adagrad's bf16/f16 accumulator, rounded stochastically, sparse vs
-    dense on the dense gradient: the same bits (the hash reads the value,
-    not the row; gradients are multiples of 2**-8, so float32 sums are
+    dense on the dense gradient: the same bits (the noise reads the same
+    row and column on both; gradients are multiples of 2**-8, so float32 sums are
     exact), over three steps with repeated ids and padding."""
     V, D = 16, 4
     rng = np.random.default_rng(1)

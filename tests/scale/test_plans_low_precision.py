@@ -1,7 +1,8 @@
 """bfloat16 tables on sharding plans, rounded stochastically: 8 devices train
-to one device's numbers. The rounding hashes the value, not the row, so a
-row rounds alike wherever it lives: with all-to-all routing the plan's
-tables are bitwise one device's. With masked routing the partitioner sums
+to one device's numbers. The rounding noise of a plan's buffer row reads
+the row of the collection's buffer it holds (``noise_origin``), so a row
+rounds alike wherever it lives: with all-to-all routing the plan's tables
+are bitwise one device's. With masked routing the partitioner sums
 the bfloat16 gradient in another order than one device (so it differs as
 much with round to nearest: a bfloat16 gradient's last bit is 2**-8 of it),
 compared within that."""
