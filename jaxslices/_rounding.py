@@ -49,6 +49,7 @@ one rounds down to it); infinities stay infinities and NaN stays NaN.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -191,7 +192,8 @@ def round_to(
         return x.astype(dtype)
     x = jnp.asarray(x).astype(jnp.float32)
     shape = x.shape
-    flat = x.reshape((1, -1)) if x.ndim == 0 else x.reshape((shape[0], -1))
+    rows_of = (1, 1) if x.ndim == 0 else (shape[0], math.prod(shape[1:]))
+    flat = x.reshape(rows_of)
     seed = jnp.zeros((), jnp.uint32) if seed is None else seed
     h = noise(seed, flat, rows)
     out = _round_bf16(flat, h) if dtype == jnp.bfloat16 else _round_f16(flat, h)

@@ -246,6 +246,21 @@ _ROUNDED_LATER: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
+#: The dtype of the gradient a rule's float32 rows were widened from (a
+#: low-precision table's): a state Optax keeps in the gradient's dtype
+#: (:func:`grad_dtype`) keeps it.
+_GRAD_DTYPE: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "jaxslices_grad_dtype", default=None
+)
+
+
+def grad_dtype(g: Any) -> Any:
+    """The dtype of the gradient ``g`` stands for (``g`` may be its float32
+    rows, widened from a bfloat16/float16 gradient)."""
+    given = _GRAD_DTYPE.get()
+    return jnp.result_type(g) if given is None else given
+
+
 def state_as(x: Any, dtype: Any) -> Any:
     """A rule's new state in ``dtype``, or left in float32 when it is rounded
     stochastically on the way into its low-precision storage."""
@@ -558,15 +573,17 @@ def rowwise_update(
             check_leaf(name, path, g, x, x_name, want)
         check_leaf(name, path, g, p, "params")
 
-        def run(g_rows, st_rows, p_rows, split, join, wide=False):
+        def run(g_rows, st_rows, p_rows, split, join, wide=False, g_dtype=None):
             parts = []
             for x, (_, _, k) in zip(st_rows, entries, strict=True):
                 parts += list(split(x, k)) if k else [x]
             token = _ROUNDED_LATER.set(wide)
+            dtype_token = _GRAD_DTYPE.set(g_dtype)
             try:
                 upd, new = rule(g_rows, tuple(parts), p_rows)
             finally:
                 _ROUNDED_LATER.reset(token)
+                _GRAD_DTYPE.reset(dtype_token)
             if any(k for *_, k in entries):
                 # The new states as buffers of their own, before they are
                 # packed. Else XLA fuses the rule into the packing and again
@@ -607,8 +624,10 @@ def rowwise_update(
         # A low-precision table's gradient or state: one float32 result per
         # entry, as the kernels compute it. The gradient's float32 rows
         # (summed in float32), the state read in float32, the rule in
-        # float32, each state written rounded once (stochastically when
-        # `sr`), the update kept in float32 (the apply rounds it once).
+        # float32, each state written rounded once into its dtype
+        # (stochastically when `sr`; a low-precision state on its write, a
+        # state Optax keeps in the gradient's dtype by the rule:
+        # `grad_dtype`), the update kept in float32 (the apply rounds it once).
         g_dtype = g.dtype
         wide = any(low) or _rounding.is_low_precision(g_dtype)
         if wide:
@@ -646,7 +665,9 @@ def rowwise_update(
             st_rows = tuple(r.astype(jnp.float32) for r in st_rows)
             if p_rows is not None:
                 p_rows = p_rows.astype(jnp.promote_types(p_rows.dtype, jnp.float32))
-        upd, new = run(c.values, st_rows, p_rows, split, join, wide=wide)
+        upd, new = run(
+            c.values, st_rows, p_rows, split, join, wide=any(low), g_dtype=g_dtype
+        )
         new_st = tuple(
             set_rows(f, c, r, state_seed(name, i) if sr else None).reshape(x.shape)
             for i, (f, x, r) in enumerate(zip(flat, st, new, strict=True))

@@ -28,6 +28,7 @@ from ._rowwise import (
     check_all,
     check_max_distinct,
     check_stochastic_rounding,
+    grad_dtype,
     is_leaf,
     leaf_bounds,
     map_values,
@@ -798,7 +799,7 @@ def scale_by_lazy_adam(
             m, v = states
             if mu_dtype is not None:
                 # Each moment in its own dtype (the buffer holds the wider).
-                m, v = state_as(m, mu_dtype), state_as(v, jnp.result_type(g))
+                m, v = state_as(m, mu_dtype), state_as(v, grad_dtype(g))
             upd, mu, nu = _adam_math(g, m, v, *hp, nesterov)
             new_mu = mu if mu_dtype is None else state_as(mu, mu_dtype)
             return upd, (new_mu, nu.astype(v.dtype))
