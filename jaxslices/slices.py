@@ -571,8 +571,8 @@ def scale_values(
     out = _replace_values(s, values, lost_by=f"{by} by a non-scalar factor")
     if jnp.ndim(factor) != 0:
         return out
-    if s._recipe is not None:
-        out._recipe, out._lost_by = s._recipe.scaled(factor), None
+    if s._recipe is not None:  # (a lost pooled form stays lost: its rows)
+        out._recipe, out._lost_by = s._recipe.scaled(factor), s._lost_by
     elif _rounding.is_low_precision(s.values.dtype):
         # A low-precision gradient scaled (-lr * g): its product kept in
         # float32 as the rows' recipe, so the apply rounds it once, on both
@@ -613,7 +613,7 @@ def kernel_input(s: IndexedSlices, where: str) -> Recipe:
     :func:`jaxslices.kernels.explain`, with why (the operation that lost the
     pooled gradient, when the slices had one).
     """
-    if s._recipe is not None:
+    if s._recipe is not None and s._lost_by is None:
         return s._recipe
     rows = f"[{s.num_slices}, {max(1, int(np.prod(s.row_shape)))}]"
     if s._lost_by is not None:
@@ -629,7 +629,8 @@ def kernel_input(s: IndexedSlices, where: str) -> Recipe:
             "rebuilt from its leaves, e.g. passed through a jit boundary)"
         )
     kernel_path.note_materialised(where, why)
-    return Recipe.of_rows(s.values)
+    # (a low-precision gradient's scaled rows keep their float32 product)
+    return Recipe.of_rows(s.values) if s._recipe is None else s._recipe
 
 
 # Slices flattened while they carry a recipe (or the note that they lost

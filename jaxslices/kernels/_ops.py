@@ -241,6 +241,8 @@ def _recipe_args(recipe: Recipe) -> tuple[list[Any], dict[str, bool]]:
     present = {
         "has_bag": recipe.bag is not None,
         "has_weight": recipe.weight is not None,
+        # The reference multiplies by no scale of 1 (the kernels' operand).
+        "has_scale": recipe.scale is not None,
     }
     # The kernels sum in float32: a bfloat16/float16 gradient (a low-precision
     # table's) is widened here ([M, R], exact), so the reference sums in
@@ -251,7 +253,9 @@ def _recipe_args(recipe: Recipe) -> tuple[list[Any], dict[str, bool]]:
     return [src, bag, weight, scale], present
 
 
-def _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length):
+def _materialize(
+    src, ids, bag, weight, scale, has_bag, has_weight, length, has_scale=True
+):
     n = ids.shape[0]
     if n == 0:  # no slots (ids [B, 0] of a recipe whose src is [B, R])
         return jnp.zeros((0, src.shape[1]), src.dtype)
@@ -261,7 +265,7 @@ def _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length):
         bag if has_bag else None,
         length,
         weight if has_weight else None,
-        None if exact else scale,
+        None if exact or not has_scale else scale,
     ).values(n)
 
 
@@ -399,9 +403,11 @@ NATIVE_OPS = frozenset(
 
 def _apply_reference(
     table, src, ids, bag, weight, scale, seed, origin=None, *, has_bag, has_weight,
-    coalesced, length, stochastic, indices_sorted=False, **_,
+    coalesced, length, stochastic, indices_sorted=False, has_scale=True, **_,
 ):  # fmt: skip
-    values = _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length)
+    values = _materialize(
+        src, ids, bag, weight, scale, has_bag, has_weight, length, has_scale
+    )
     num_rows = table.shape[0]
     safe = jnp.where((ids >= 0) & (ids < num_rows), ids, num_rows)
     if _rounding.is_low_precision(table.dtype):

@@ -5,7 +5,9 @@ Every jaxslices operation with a kernel asks :func:`route` when it is traced
 :func:`gpu_kernels` with rows of a power-of-two width, float32 arrays (a
 table and its gradient may also be bfloat16 or float16 on the CPU), not
 under ``jax.vmap``, not laid out over a mesh by ``jit``), or records with
-:func:`note` why it takes the XLA path by itself. Each decision is written
+:func:`note` why it takes the XLA path by itself. An op bound on either
+path (the apply) asks :func:`decide` instead and carries the decision in
+its primitive's parameters, where ``explain`` reads it. Each decision is written
 into the traced jaxpr as a marker primitive that computes nothing, so that
 :func:`jaxslices.kernels.explain` reads the decisions of the step as JAX
 traced it (also of a trace JAX had cached). A native kernel that reads a
