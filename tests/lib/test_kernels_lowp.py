@@ -11,11 +11,13 @@ stochastically with the hash of :mod:`jaxslices._rounding`. The XLA path
   ids) are **bitwise** equal;
 * the forward bag of every form and whole optimizer steps are bitwise equal
   on dyadic values (every float32 sum exact on both paths); on random values
-  each entry is within one unit in the last place (ulp) of the table's dtype:
-  the XLA path rounds the gradient and the update to the table's dtype
-  between operations where the kernels keep float32, and the stochastic
-  rounding hashes the float32 total, so a last-bit difference there draws
-  another rounding (measured below: ``test_random_steps_differ_by_one_ulp``);
+  each entry is within a few units in the last place (ulp) of the table's
+  dtype: both paths compute one float32 result per entry and round it once,
+  but sum in other orders (and the XLA path's bags round their backward in
+  the table's dtype), and the stochastic rounding hashes the float32 total,
+  so a last-bit difference there draws another rounding
+  (``test_random_steps_match_xla_to_a_few_ulps``); plain SGD on sum bags and
+  a bf16 Adagrad accumulator are bitwise;
 * the kernels' results do not depend on the thread count (1, 2, 4 threads).
 """
 
@@ -363,16 +365,15 @@ def _ulp(x, dtype) -> np.ndarray:
 def test_random_steps_match_xla_to_a_few_ulps(dtype):
     """Every optimizer, one step on random values, every operation native (no
     dtype fallback). Plain SGD: bitwise (both paths sum the update in
-    float32 and round once). The other rules: the XLA path computes them on
-    the table-dtype gradient and rounds their update to it, the kernels keep
-    float32, so the float32 totals differ in their last bits and the
-    stochastic rounding (a hash of the total) draws again: measured 10-45%
-    of the touched entries differ by one ulp, none by more than 3 ulps of
-    the larger of the old entry and the results (bounded by 4 here). Lazy
-    Adam on float16 is left out of the bound: dividing by the root of the
-    second moment amplifies the XLA path's float16 rounding of small
-    gradients (measured: up to 55 ulps). The float32 state agrees to float
-    rounding. float16: a subset (the same code; CI time)."""
+    float32 and round once). The other rules: both paths compute them in
+    float32 and round once, but the float32 totals differ in their last
+    bits (sums in another order; the XLA bags' backward in the table's
+    dtype) and the stochastic rounding (a hash of the total) draws again:
+    none by more than 4 ulps of the larger of the old entry and the
+    results. Lazy Adam on float16 is left out of the bound: dividing by the
+    root of the second moment amplifies a last-bit difference of small
+    gradients. The float32 state agrees to float rounding. float16: a
+    subset (the same code; CI time)."""
     rng = np.random.default_rng(4)
     table, loss = _problem(rng, dtype, dyadic=False)
     old = np.asarray(table, np.float32)
