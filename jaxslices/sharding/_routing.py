@@ -328,6 +328,7 @@ def update(
     (:func:`jaxslices._spmd.rows_sharded_over`).
     """
     leaves, treedef = jax.tree.flatten(params)
+    flat_with_paths = jax.tree_util.tree_flatten_with_path(params)[0]
     routes = list(routes)
     g_leaves = treedef.flatten_up_to(grads)
     if len(routes) != len(leaves):
@@ -397,7 +398,10 @@ def update(
             local_grads.append(g)
         grads_ = jax.tree.unflatten(treedef, local_grads)
         params_ = jax.tree.unflatten(treedef, p_flat)
-        with _spmd.rows_sharded_over(axis, shards):  # global norms sum over shards
+        paths = [jax.tree_util.keystr(k) for k, _ in flat_with_paths]
+        by_path = {k: (statics[i], routes[i] is not None) for i, k in enumerate(paths)}
+        # global norms sum over shards; state rows round where the apply's do
+        with _spmd.rows_sharded_over(axis, shards, by_path):
             updates, new_state = tx.update(grads_, state, params_)
         shard = jax.lax.axis_index(axis)
 

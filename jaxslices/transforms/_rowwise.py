@@ -222,19 +222,22 @@ def rows(x: Any, c: IndexedSlices) -> jax.Array:
 
 
 def set_rows(
-    x: Any, c: IndexedSlices, new_rows: jax.Array, seed: Any = None
+    x: Any, c: IndexedSlices, new_rows: jax.Array, seed: Any = None, origin: Any = None
 ) -> jax.Array:
     """Write ``new_rows`` into ``x`` at ``c``'s (unique) indices; padding dropped.
 
     With a ``seed``, rows of a bfloat16/float16 ``x`` are rounded
-    stochastically (:mod:`jaxslices._rounding`), else to nearest.
+    stochastically (:mod:`jaxslices._rounding`; the noise reads each row
+    where ``origin`` puts it, :func:`jaxslices.kernels._ops.noise_rows`),
+    else to nearest.
     """
     x = jnp.asarray(x)
     flags = promises(c)  # a layout constraint rebuilds c without its flags
     idx, new_rows = _spmd.replicate_rows(x, (slices.safe_indices(c), new_rows))
     if seed is not None and _rounding.is_low_precision(x.dtype):
+        at = idx if origin is None else kernel_ops.noise_rows(origin, idx)
         new_rows = _rounding.round_to(
-            new_rows, x.dtype, stochastic=True, seed=seed, rows=idx
+            new_rows, x.dtype, stochastic=True, seed=seed, rows=at
         )
     return x.at[idx].set(new_rows.astype(x.dtype), mode="drop", **flags)
 
@@ -668,8 +671,11 @@ def rowwise_update(
         upd, new = run(
             c.values, st_rows, p_rows, split, join, wide=any(low), g_dtype=g_dtype
         )
+        origin = _spmd.noise_origin(path, g.dense_shape[0]) if sr else None
         new_st = tuple(
-            set_rows(f, c, r, state_seed(name, i) if sr else None).reshape(x.shape)
+            set_rows(f, c, r, state_seed(name, i) if sr else None, origin).reshape(
+                x.shape
+            )
             for i, (f, x, r) in enumerate(zip(flat, st, new, strict=True))
         )
         upd = mask_padding(c, jnp.asarray(upd))
