@@ -454,9 +454,9 @@ class ShardingPlan(CollectionFace):
 
         ``stochastic_rounding`` and ``key``: how bfloat16/float16 buffers
         are written, as in :func:`jaxslices.apply_updates` (the rounding
-        noise of a buffer row reads the row of the collection's buffer it
-        holds, so a plan rounds its tables as the collection on one device,
-        column-wise pieces excepted).
+        noise of a buffer row, and of its optimizer state row, reads the row
+        of the collection's buffer it holds, so a plan rounds its tables as
+        the collection on one device, column-wise pieces excepted).
 
         Returns:
           ``(new_params, new_state)``.
