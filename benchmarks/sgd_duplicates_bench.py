@@ -53,7 +53,7 @@ def main(
 
     def update(sum_duplicates):
         def fn(table, ids, grad, weight):
-            recipe = _ops.Recipe(grad, length=bag, weight=weight, scale=-0.1)
+            recipe = _ops.PooledGradient(grad, length=bag, weight=weight, scale=-0.1)
             return _ops.apply(table, recipe, ids, sum_duplicates=sum_duplicates)
 
         return jax.jit(fn, donate_argnums=0)
@@ -74,7 +74,7 @@ def main(
 
     # Accuracy: 1,000 duplicates of -1e-8 added to 1.0.
     one = jnp.ones((1, 1), jnp.float32)
-    tiny = _ops.Recipe(jnp.full((1000, 1), -1e-8, jnp.float32))
+    tiny = _ops.PooledGradient(jnp.full((1000, 1), -1e-8, jnp.float32))
     zeros = jnp.zeros(1000, jnp.int32)
     accuracy = {
         name: float(

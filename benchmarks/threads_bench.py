@@ -46,7 +46,7 @@ def _ops_for(kernel, num_rows, dim, bag):
     elif kernel == "rowwise_adagrad":
 
         def fn(table, state, ids, grad):
-            recipe = _ops.Recipe(grad, length=bag, scale=1.0 / bag)
+            recipe = _ops.PooledGradient(grad, length=bag, scale=1.0 / bag)
             state, uids, rows, _, _ = _ops.rowwise(
                 recipe, ids, num_rows=num_rows, spec=_transform._ROWWISE_RSS_SPEC,
                 hp=(1e-10,), state=state, capacity=ids.shape[0],
@@ -56,7 +56,7 @@ def _ops_for(kernel, num_rows, dim, bag):
     else:
 
         def fn(table, state, ids, grad):
-            recipe = _ops.Recipe(grad, length=bag, scale=-0.1 / bag)
+            recipe = _ops.PooledGradient(grad, length=bag, scale=-0.1 / bag)
             return _ops.apply(table, recipe, ids), state, grad
 
     return jax.jit(fn, donate_argnums=(0, 1))

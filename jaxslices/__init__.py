@@ -29,6 +29,7 @@ from . import _checkpoint, _moved, transforms
 from . import capacity as capacity
 from . import kernels as kernels
 from . import sharding as sharding
+from ._recipe import PooledGradient as PooledGradient
 from ._strict import DenseGradientError as DenseGradientError
 from .autodiff import grad as grad
 from .autodiff import value_and_grad as value_and_grad
@@ -125,6 +126,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     # the type and its operations
     "IndexedSlices",
+    "PooledGradient",
     "coalesce",
     "concatenate",
     "from_dense",

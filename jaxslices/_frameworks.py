@@ -37,6 +37,7 @@ __all__ = [
     "bag",
     "bag_ids",
     "check_options",
+    "keep_options",
     "lookup",
     "renormed",
     "padding_row",
@@ -84,6 +85,33 @@ def check_options(
             "(PyTorch's `mode`)."
         )
     return padding_row(padding_idx, num_embeddings, where)
+
+
+def keep_options(
+    layer: Any,
+    where: str,
+    num_embeddings: int,
+    padding_idx: Any,
+    max_norm: Any,
+    norm_type: Any,
+    strict: bool,
+    combiner: str | None = None,
+) -> int | None:
+    """Check a layer's options (:func:`check_options`) and set them on it.
+
+    Sets ``padding_idx`` (as its row in ``[0, V)``), ``max_norm``,
+    ``norm_type``, ``strict`` and a bag layer's ``combiner`` as attributes
+    of ``layer``, in its constructor (an NNX or Equinox module); returns the
+    padding row.
+    """
+    pad = check_options(
+        where, num_embeddings, padding_idx, max_norm, norm_type, combiner
+    )
+    layer.padding_idx, layer.max_norm, layer.norm_type = pad, max_norm, norm_type
+    layer.strict = strict
+    if combiner is not None:
+        layer.combiner = combiner
+    return pad
 
 
 def zero_padding_row(table: jax.Array, padding_idx: int | None) -> jax.Array:

@@ -13,6 +13,9 @@ this module alone, one *entry* each. An entry is
 
 * resolved once, at import, without starting JAX's platform runtime (so
   that ``jax.distributed.initialize`` can still run after ``import jaxslices``);
+  ``pallas_gpu`` at its first read instead (``AVAILABLE["pallas_gpu"]``,
+  ``pallas``, ``pallas_triton``: Pallas and its Triton backend are imported
+  when a GPU lowering needs them, never by ``import jaxslices``);
 * switched by its flag in :data:`AVAILABLE` (``False`` where the names are
   missing), which every function below reads at call time. That flag is the
   one switch tests use to take an entry away
@@ -45,6 +48,7 @@ copied into docs/design.md ("JAX compatibility"); a test checks they agree.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 import re
@@ -93,8 +97,8 @@ __all__ = [
     "lowering_is_per_device",
     "operands_varying",
     "native_out_aval",
-    "pallas",
-    "pallas_triton",
+    "pallas",  # noqa: F822 - served by __getattr__, imported on first use
+    "pallas_triton",  # noqa: F822
     "gpu_target",
     "TRITON_DEPRECATION",
 ]
@@ -491,16 +495,39 @@ _MAT_OK = (
 )
 
 
-try:  # the opt-in Pallas GPU kernels (kernels/_pallas.py)
-    from jax.experimental import pallas
-    from jax.experimental.pallas import triton as pallas_triton
+# The opt-in Pallas GPU kernels (kernels/_pallas.py). Pallas and its Triton
+# backend are about 120 modules: imported when a GPU lowering first reads
+# them (`pallas`, `pallas_triton`, `AVAILABLE["pallas_gpu"]`), never by
+# `import jaxslices`. At import, only whether the package is there.
+_PALLAS_FOUND = importlib.util.find_spec("jax.experimental.pallas") is not None
+_PALLAS: dict[str, Any] = {}
 
-    _PALLAS_OK = all(
-        hasattr(pallas, n) for n in ("pallas_call", "program_id", "when", "ds")
-    ) and hasattr(pallas_triton, "CompilerParams")
-except Exception:  # pragma: no cover - a JAX without Pallas
-    pallas = pallas_triton = None
-    _PALLAS_OK = False
+
+def _import_pallas() -> bool:
+    """Import Pallas and its Triton backend (once); ``True`` if the entry's
+    names are there."""
+    if not _PALLAS:
+        try:
+            from jax.experimental import pallas
+            from jax.experimental.pallas import triton as pallas_triton
+
+            ok = all(
+                hasattr(pallas, n) for n in ("pallas_call", "program_id", "when", "ds")
+            ) and hasattr(pallas_triton, "CompilerParams")
+        except Exception:  # pragma: no cover - a JAX without Pallas
+            pallas = pallas_triton = None
+            ok = False
+        _PALLAS.update(pallas=pallas, pallas_triton=pallas_triton, ok=ok)
+    return _PALLAS["ok"]
+
+
+def __getattr__(name: str) -> Any:
+    """``pallas`` and ``pallas_triton``, imported on first use (or ``None``)."""
+    if name in ("pallas", "pallas_triton"):
+        _import_pallas()
+        return _PALLAS[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # The Triton backend's deprecation (JAX 0.12), filtered while a kernel lowers.
 TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
@@ -517,27 +544,53 @@ _CALLBACK_LOGGERS = tuple(
 )
 
 
+class _Flags(dict):
+    """:data:`AVAILABLE`: a dict whose lazy entries are checked when first read.
+
+    A lazy entry (``pallas_gpu``: its check imports Pallas) holds whether its
+    package is installed until it is read (``flags[name]``); the first read
+    runs its check, and a write (``monkeypatch.setitem``) replaces both.
+    """
+
+    def __init__(self, flags: dict[str, bool], lazy: dict[str, Callable[[], bool]]):
+        super().__init__(flags)
+        self._lazy = dict(lazy)
+
+    def __getitem__(self, name: str) -> bool:
+        check = self._lazy.pop(name, None)
+        if check is not None:
+            dict.__setitem__(self, name, dict.__getitem__(self, name) and check())
+        return dict.__getitem__(self, name)
+
+    def __setitem__(self, name: str, value: bool) -> None:
+        self._lazy.pop(name, None)
+        dict.__setitem__(self, name, value)
+
+
 #: Whether each entry's JAX names are there. Read at call time; tests switch
 #: an entry off with ``monkeypatch.setitem(AVAILABLE, name, False)``.
-AVAILABLE: dict[str, bool] = {
-    "trace_state": _opaque_trace_state is not None,
-    "vmap_internals": _VMAP_OK,
-    "varying_axes": hasattr(jax, "typeof"),
-    "pcast_varying": hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary"),
-    "all_gather_invariant": _has_to_argument(jax.lax.all_gather),
-    "abstract_mesh": hasattr(jax, "typeof"),
-    "axis_types": hasattr(jax.sharding, "AxisType"),
-    "shard_map": hasattr(jax, "shard_map"),
-    "key_array_class": True,  # structural checks in patch_key_array_class
-    "key_impl_names": True,  # structural checks in register_key_impl_names
-    "key_full_rule": True,  # structural checks in wrap_key_full_rule
-    "manual_axes": hasattr(jax.sharding, "get_abstract_mesh"),
-    "ffi_primitive": _FFI_OK,
-    "lowering_context": _CTX_OK,
-    "manual_axis_avals": _MAT_OK,
-    "callback_logs": all(logger is not None for logger in _CALLBACK_LOGGERS),
-    "pallas_gpu": _PALLAS_OK,
-}
+AVAILABLE: dict[str, bool] = _Flags(
+    {
+        "trace_state": _opaque_trace_state is not None,
+        "vmap_internals": _VMAP_OK,
+        "varying_axes": hasattr(jax, "typeof"),
+        "pcast_varying": hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary"),
+        "all_gather_invariant": _has_to_argument(jax.lax.all_gather),
+        "abstract_mesh": hasattr(jax, "typeof"),
+        "axis_types": hasattr(jax.sharding, "AxisType"),
+        "shard_map": hasattr(jax, "shard_map"),
+        "key_array_class": True,  # structural checks in patch_key_array_class
+        "key_impl_names": True,  # structural checks in register_key_impl_names
+        "key_full_rule": True,  # structural checks in wrap_key_full_rule
+        "manual_axes": hasattr(jax.sharding, "get_abstract_mesh"),
+        "ffi_primitive": _FFI_OK,
+        "lowering_context": _CTX_OK,
+        "manual_axis_avals": _MAT_OK,
+        "callback_logs": all(logger is not None for logger in _CALLBACK_LOGGERS),
+        "pallas_gpu": _PALLAS_FOUND,
+    },
+    lazy={"pallas_gpu": _import_pallas},
+)
 
 assert set(AVAILABLE) == {e.name for e in ENTRIES}
 

@@ -10,6 +10,8 @@ layer):
   ``None`` update means "no update", as in Optax).
 * :func:`label`: the leaf named in an error message, ``jaxslices.fn (leaf
   ['emb'])``.
+* :func:`named_in_path`: which of some names (a collection's buffers) a leaf
+  is, by the last entry of its path that names one.
 * :func:`check_structure`: two trees must have the same leaf paths; the error
   names the first path that is in one and not the other.
 * :func:`zero_updates`: zero updates shaped like a tree: zeros for arrays,
@@ -28,7 +30,14 @@ import jax.numpy as jnp
 from . import _ids, _jax_compat
 from .slices import IndexedSlices
 
-__all__ = ["check_structure", "is_leaf", "label", "padding_slices", "zero_updates"]
+__all__ = [
+    "check_structure",
+    "is_leaf",
+    "label",
+    "named_in_path",
+    "padding_slices",
+    "zero_updates",
+]
 
 
 def is_leaf(x: Any) -> bool:
@@ -46,6 +55,30 @@ def label(where: str, path: Any) -> str:
       "jaxslices.sgd (leaf ['emb'])"
     """
     return f"{where} (leaf {jax.tree_util.keystr(path) or '<root>'})"
+
+
+def named_in_path(path: Any, names: Any) -> str | None:
+    """The last entry of a leaf's ``path`` that is one of ``names``, or ``None``.
+
+    An entry is a dict key, an attribute name or a sequence index; the last
+    one that names, e.g., a collection's buffer wins (Flax NNX and Equinox
+    add entries below it: ``['dim4_float32'].value``).
+
+    Example:
+      >>> import jax
+      >>> from jaxslices import _leaves
+      >>> path = jax.tree_util.tree_flatten_with_path({"m": {"b": [1]}})[0][0][0]
+      >>> _leaves.named_in_path(path, {"b", "c"})
+      'b'
+    """
+    for entry in reversed(tuple(path)):
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                name = getattr(entry, attr)
+                if isinstance(name, str) and name in names:
+                    return name
+                break
+    return None
 
 
 def check_structure(where: str, tree: Any, name: str, other: Any, other_name: str):

@@ -40,7 +40,7 @@ __all__ = ["MOVED", "OLD_NAMES", "install", "old_name"]
 
 #: Old module path -> the module that holds its contents now.
 MOVED = {
-    # Issue 19: the transforms as Optax groups them, the native backend a unit.
+    # The transforms as Optax groups them, the native backend a unit.
     "jaxslices.accumulate": "jaxslices.transforms._accumulation",
     "jaxslices._alias": "jaxslices.transforms._alias",
     "jaxslices._clipping": "jaxslices.transforms._clipping",
@@ -50,7 +50,7 @@ MOVED = {
     "jaxslices._hijax": "jaxslices.native._hijax",
     "jaxslices._backend": "jaxslices._lookup_handlers",
     "jaxslices._layers": "jaxslices._ids",
-    # Issue 29: sharding, collections and per-table transforms as units.
+    # Sharding, collections and per-table transforms as units.
     "jaxslices.plans": "jaxslices.sharding",
     "jaxslices.per_table": "jaxslices.transforms._per_table",
     "jaxslices._buffers": "jaxslices.collection._buffers",
@@ -58,7 +58,7 @@ MOVED = {
     "jaxslices._layout": "jaxslices._spmd",
 }
 
-#: Old top-level name -> (module, name) that holds it now (issue 29).
+#: Old top-level name -> (module, name) that holds it now (the export rule).
 OLD_NAMES = {
     "shard_rows": ("jaxslices.sharding", "shard_rows"),
     "sharded_init": ("jaxslices.sharding", "sharded_init"),

@@ -1,20 +1,22 @@
-"""``Recipe``: the pooled form of a sparse gradient, carried by ``IndexedSlices``.
+"""``PooledGradient``: the pooled form of a sparse gradient (its recipe).
 
 The gradient of an embedding bag is, per looked-up id, its bag's pooled
 gradient times the id's weight: ``values[s] = scale * weight[s] * G[bag[s]]``
 with ``G`` the pooled gradient ``[B, D]``. The ``[N, D]`` values are an XLA
 expression of ``G``; a native kernel (:mod:`jaxslices.kernels`) reads ``G``,
 the weights and the bag of each slot instead, and XLA then never computes
-the values. A :class:`Recipe` is that description, and
+the values. A :class:`PooledGradient` is that description, and
 :attr:`jaxslices.IndexedSlices.recipe` is where a gradient carries it.
 
 The recipe is a typed, static part of an ``IndexedSlices``, not a pytree
 child: the pytree of a slices leaf stays ``(values, indices)`` with aux data
-``dense_shape`` (the contract every JAX transformation relies on). Whatever
-rebuilds slices from their leaves (a ``jit`` boundary, a checkpoint, most
-generic tree code) gets the values without the recipe; jaxslices' own tree
-functions keep it where the result can be described (see
-``docs/sparse_gradients.md``, "The pooled gradient").
+``dense_shape`` (the contract every JAX transformation relies on), and its
+flattening and unflattening are pure. Whatever rebuilds slices from their
+leaves (a ``jit`` boundary, a checkpoint, any ``jax.tree.map``, the identity
+included) gets the values without the recipe; jaxslices' own operations keep
+it where the result can be described (see ``docs/sparse_gradients.md``, "The
+pooled gradient"), and :func:`jaxslices.kernels.explain` says where a kernel
+reads the materialised rows instead.
 
 The same layout is what the kernels take (``kernels/csrc/common.h``): a slot
 whose source row is out of ``[0, M)`` holds zeros.
@@ -30,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Recipe", "concatenate", "flat_rows"]
+__all__ = ["PooledGradient", "concatenate", "flat_rows"]
 
 
 def flat_rows(x: jax.Array) -> jax.Array:
@@ -39,8 +41,14 @@ def flat_rows(x: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Recipe:
-    """How the ``N`` rows of a sparse gradient are made, without making them.
+class PooledGradient:
+    """The pooled form of a sparse gradient: how its ``N`` rows are made.
+
+    What :attr:`jaxslices.IndexedSlices.recipe` holds for the gradient of
+    an :func:`jaxslices.embedding_bag` (float32): the bags' pooled gradient
+    and each slot's bag and weight, which the native kernels read instead of
+    the ``[N, D]`` values. Read it to see what a kernel will read; the
+    values it stands for are ``values(N)``.
 
     Slot ``s`` holds ``scale * weight[s] * src[b(s)]``, with ``b(s)`` =
     ``bag[s]`` (bags given per slot), ``s // length`` (padded bags of
@@ -55,14 +63,17 @@ class Recipe:
       length: ``> 0``: padded bags of this many slots (``bag`` is ``None``).
       weight: ``[N]`` float32 per-slot factor, or ``None`` (1).
       scale: a float32 scalar factor of every slot, or ``None`` (1).
-      sumsq: the squared norm of the rows, when they are coalesced (the
-        native coalescing kernel measures it; :func:`jaxslices.global_norm`
-        reads it), else ``None``.
 
     Example:
-      >>> import jax.numpy as jnp
-      >>> from jaxslices._recipe import Recipe
-      >>> r = Recipe(jnp.array([[1.0], [2.0]]), length=2)  # 2 bags of 2 slots
+      >>> import jax, jax.numpy as jnp, jaxslices as js
+      >>> table = jnp.ones((10, 2))
+      >>> ids = jnp.array([[1, 2], [3, 3]])  # 2 bags of 2 ids
+      >>> g = js.grad(lambda t: js.embedding_bag(t, ids, combiner="sum").sum())(table)
+      >>> g.recipe  # the pooled gradient [2, 2], padded bags of 2 slots
+      PooledGradient(float32[2, 2], padded bags of 2, weight)
+      >>> bool((g.recipe.values(4) == g.values).all())
+      True
+      >>> r = js.PooledGradient(jnp.array([[1.0], [2.0]]), length=2)
       >>> r.scaled(0.5).values(4).ravel()
       Array([0.5, 0.5, 1. , 1. ], dtype=float32)
     """
@@ -72,10 +83,9 @@ class Recipe:
     length: int = 0
     weight: jax.Array | None = None
     scale: jax.Array | None = None
-    sumsq: jax.Array | None = None
 
     @classmethod
-    def of_rows(cls, values: jax.Array) -> Recipe:
+    def of_rows(cls, values: jax.Array) -> PooledGradient:
         """The recipe of materialised ``[N, *row]`` values: the rows themselves."""
         return cls(flat_rows(values))
 
@@ -84,11 +94,11 @@ class Recipe:
         """``True`` when several slots share a source row (a bag's gradient)."""
         return self.bag is not None or self.length > 0
 
-    def scaled(self, factor: Any) -> Recipe:
-        """The recipe times a scalar (the squared norm is not known any more)."""
+    def scaled(self, factor: Any) -> PooledGradient:
+        """The recipe times a scalar."""
         factor = jnp.asarray(factor, jnp.float32)
         scale = factor if self.scale is None else self.scale * factor
-        return dataclasses.replace(self, scale=scale, sumsq=None)
+        return dataclasses.replace(self, scale=scale)
 
     def source_rows(self, num_slots: int) -> jax.Array:
         """``b(s)`` of every slot, ``[num_slots]`` int32 (may be out of range)."""
@@ -134,10 +144,10 @@ class Recipe:
         )
         extras = [x for x in ("weight", "scale") if getattr(self, x) is not None]
         tail = "".join(f", {x}" for x in extras)
-        return f"Recipe(float32[{m}, {r}], {how}{tail})"
+        return f"PooledGradient(float32[{m}, {r}], {how}{tail})"
 
 
-def concatenate(parts: Sequence[tuple[Recipe, int]]) -> Recipe:
+def concatenate(parts: Sequence[tuple[PooledGradient, int]]) -> PooledGradient:
     """The recipe of concatenated slices: ``(recipe, slots)`` of each part.
 
     Every part becomes per-slot bags into the concatenated sources (a part's
@@ -147,9 +157,9 @@ def concatenate(parts: Sequence[tuple[Recipe, int]]) -> Recipe:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxslices._recipe import Recipe, concatenate
-      >>> a = Recipe(jnp.array([[1.0]]), length=2)
-      >>> b = Recipe(jnp.array([[3.0]]), length=1).scaled(2.0)
+      >>> from jaxslices._recipe import PooledGradient, concatenate
+      >>> a = PooledGradient(jnp.array([[1.0]]), length=2)
+      >>> b = PooledGradient(jnp.array([[3.0]]), length=1).scaled(2.0)
       >>> concatenate([(a, 2), (b, 1)]).values(3).ravel()
       Array([1., 1., 6.], dtype=float32)
     """
@@ -166,7 +176,7 @@ def concatenate(parts: Sequence[tuple[Recipe, int]]) -> Recipe:
             w = recipe.factors(n)
             weights.append(jnp.ones((n,), jnp.float32) if w is None else w)
         offset += m
-    return Recipe(
+    return PooledGradient(
         jnp.concatenate(srcs),
         bag=jnp.concatenate(bags).astype(jnp.int32),
         weight=jnp.concatenate(weights) if weighted else None,

@@ -37,7 +37,7 @@ from jax.custom_batching import custom_vmap
 from . import _jax_compat, _strict
 from . import _recipe as recipes
 from . import slices as slices_mod
-from ._recipe import Recipe, flat_rows
+from ._recipe import PooledGradient, flat_rows
 from .kernels import _path as kernel_path
 from .slices import IndexedSlices
 
@@ -619,7 +619,7 @@ def _unpool(ct, pooled, bag, rec, num_slots):
     return values, jnp.zeros((), read.dtype) * read, piece
 
 
-def _recipe(pieces, dtype) -> Recipe | None:
+def _recipe(pieces, dtype) -> PooledGradient | None:
     """The recipe of concatenated lookups, if every one is a bag of a dtype the
     kernels read (float32; bfloat16 and float16, widened to float32)."""
     kinds = kernel_path.TABLE_DTYPES
@@ -629,7 +629,7 @@ def _recipe(pieces, dtype) -> Recipe | None:
         return None
     parts = [
         (
-            Recipe(flat_rows(g), bag=bag_ids, length=length, weight=weight),
+            PooledGradient(flat_rows(g), bag=bag_ids, length=length, weight=weight),
             weight.shape[0],
         )
         for g, bag_ids, length, weight in pieces

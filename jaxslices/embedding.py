@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
@@ -423,11 +424,8 @@ def _native_bag(
         bag_ids = jnp.asarray(bag_ids, jnp.int32)
         lead, length = (num_bags,), 0
         reduce = functools.partial(_segment_sum, segments=segments)
-    scale = None
-    if combiner != "sum":
-        denom = reduce(w) if combiner == "mean" else jnp.sqrt(reduce(w * w))
-        safe_denom = jnp.where(denom == 0, jnp.ones((), w.dtype), denom)
-        scale = jnp.where(denom == 0, jnp.zeros((), w.dtype), 1 / safe_denom)
+    scale = combiner_scale(combiner, w, reduce)
+    if scale is not None:
         scale = scale.reshape(-1)
     out = pool(
         table,
@@ -568,12 +566,58 @@ def _segment_sum(x: jax.Array, segments: tuple[jax.Array, int]) -> jax.Array:
 
 def _combine(rows: jax.Array, w: jax.Array, reduce: Any, combiner: str) -> jax.Array:
     """``reduce`` (over the bag's slots) of ``w·rows``, scaled by the combiner."""
-    compute = rows.dtype
     w_rows = w.reshape(w.shape + (1,) * (rows.ndim - w.ndim))
     total = reduce(rows * w_rows)
-    if combiner == "sum":
+    scale = combiner_scale(combiner, w, reduce)
+    if scale is None:
         return total
-    denom = reduce(w) if combiner == "mean" else jnp.sqrt(reduce(w * w))
-    safe = jnp.where(denom == 0, jnp.ones((), compute), denom)
-    scale = jnp.where(denom == 0, jnp.zeros((), compute), 1 / safe)
     return total * scale.reshape(scale.shape + (1,) * (total.ndim - scale.ndim))
+
+
+def combiner_scale(
+    combiner: str | Sequence[str],
+    w: jax.Array,
+    reduce: Any,
+    feature_axis: int = 0,
+    dtype: Any = None,
+) -> jax.Array | None:
+    """The factor of each bag's weighted sum: the combiners' one rule.
+
+    ``1 / Σ w`` (``"mean"``), ``1 / sqrt(Σ w²)`` (``"sqrtn"``), 1 (``"sum"``,
+    ``"max"``), and 0 for a bag whose denominator is 0 (no slot counts);
+    ``reduce`` sums over a bag's slots (``w`` holds the slots' weights, 0
+    for a slot the bags rule leaves out). ``combiner``: one name, or one
+    per feature along ``feature_axis`` of the reduced sums; ``dtype``: the
+    denominators' dtype (default: ``w``'s). ``None`` when every factor is 1.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxslices.embedding import combiner_scale
+      >>> w = jnp.array([[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+      >>> combiner_scale("mean", w, lambda x: x.sum(-1))  # an empty bag: 0
+      Array([0.5, 0. ], dtype=float32)
+      >>> combiner_scale(["sqrtn", "sum"], w, lambda x: x.sum(-1))
+      Array([0.70710677, 1.        ], dtype=float32)
+    """
+    names = [combiner] if isinstance(combiner, str) else list(combiner)
+    code = np.array([{"mean": 1, "sqrtn": 2}.get(c, 0) for c in names], np.int32)
+    if not code.any():
+        return None
+    mean_d = reduce(w) if (code == 1).any() else None
+    sqrtn_d = jnp.sqrt(reduce(w * w)) if (code == 2).any() else None
+    if isinstance(combiner, str):
+        denom = mean_d if code[0] == 1 else sqrtn_d
+    else:
+        d = mean_d if mean_d is not None else sqrtn_d
+        shape = [1] * d.ndim
+        shape[feature_axis] = len(code)
+        code = jnp.asarray(code.reshape(shape))
+        one = jnp.ones((), d.dtype)
+        denom = jnp.where(
+            code == 1,
+            one if mean_d is None else mean_d,
+            jnp.where(code == 2, one if sqrtn_d is None else sqrtn_d, one),
+        )
+    denom = denom if dtype is None else denom.astype(dtype)
+    safe = jnp.where(denom == 0, jnp.ones((), denom.dtype), denom)
+    return jnp.where(denom == 0, jnp.zeros((), denom.dtype), 1 / safe)

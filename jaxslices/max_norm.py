@@ -131,8 +131,9 @@ def renorm_rows(
 def _max_norm_native(g, st, p, hp, cfg):
     """The kernel's rule on ``[K, R]`` rows (its XLA reference): rows scaled."""
     max_norm, norm_type = cfg
-    scale = _scales(st, max_norm, norm_type)
-    return g, st * scale[:, None]
+    (rows,) = st
+    scale = _scales(rows, max_norm, norm_type)
+    return g, (rows * scale[:, None],)
 
 
 def apply_max_norm(
@@ -191,10 +192,11 @@ def apply_max_norm(
             "max_norm",
             _max_norm_native,
             cfg=(float(max_norm), float(norm_type)),
-            uses_state=True,
         )
         new, *_ = kernel_ops.rowwise(
-            kernel_ops.Recipe(jnp.zeros((1, math.prod(table.shape[1:])), table.dtype)),
+            kernel_ops.PooledGradient(
+                jnp.zeros((1, math.prod(table.shape[1:])), table.dtype)
+            ),
             flat,
             num_rows=num_rows,
             spec=spec,

@@ -31,22 +31,20 @@ Conventions (see ``docs/design.md``):
   pytree's static aux data; ``values`` and ``indices`` are the children.
 * **The pooled form.** A gradient of ``embedding_bag`` also carries its
   pooled gradient (:attr:`IndexedSlices.recipe`, a
-  :class:`~jaxslices._recipe.Recipe`), which the native kernels read instead
+  :class:`~jaxslices.PooledGradient`), which the native kernels read instead
   of the ``[N, D]`` values. It is static, not a pytree child. jaxslices'
   scaling, negation, ``astype`` to the same dtype, concatenation
-  (``tree_add``, ``+``) and index flags keep it; a tree operation outside
-  jaxslices that passes the leaves through unchanged
-  (``jax.tree.map(lambda x: x, g)``, ``eqx.combine``) gets it back at
-  unflattening; any other rebuild loses it and says so
-  (:func:`kernel_input`, :func:`jaxslices.kernels.explain`).
+  (``tree_add``, ``+``) and index flags keep it. Flattening and
+  unflattening are pure: slices rebuilt from their leaves (any tree
+  operation outside jaxslices, ``jax.tree.map(lambda x: x, g)`` included)
+  have no pooled form, and the kernels then read the values, which
+  :func:`jaxslices.kernels.explain` reports (:func:`kernel_input`).
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-import threading
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _coalesce, _errors, _ids, _recipe, _rounding, _spmd, _typed_indices
-from ._recipe import Recipe
+from ._recipe import PooledGradient
 from .kernels import _ops as kernel_ops
 from .kernels import _path as kernel_path
 
@@ -191,7 +189,6 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
         "_recipe",
         "_lost_by",
         "_step",
-        "__weakref__",
     )
     __hash__ = None  # type: ignore[assignment]
     # Make NumPy defer to our reflected operators (np.ndarray + IndexedSlices).
@@ -243,19 +240,19 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
             (jax.tree_util.GetAttrKey("values"), self.values),
             (jax.tree_util.GetAttrKey("indices"), self._indices),
         )
-        _remember_flattened(self)
         return children, self.dense_shape
 
     def tree_flatten(self):
-        _remember_flattened(self)
         return (self.values, self._indices), self.dense_shape
 
     @classmethod
     def tree_unflatten(cls, dense_shape, children):
         # No validation: JAX unflattens with placeholder leaves (object(), None,
         # batching sentinels), see the JAX docs on custom pytrees.
+        # Pure: slices rebuilt from leaves know only their leaves (no index
+        # flags, no pooled form; see `IndexedSlices.recipe`).
         values, indices = children
-        return _unflattened(_build(values, indices, dense_shape))
+        return _build(values, indices, dense_shape)
 
     # -- properties -----------------------------------------------------------
     @property
@@ -285,20 +282,22 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
         return self._sorted
 
     @property
-    def recipe(self) -> Recipe | None:
+    def recipe(self) -> PooledGradient | None:
         """The pooled form of the values, or ``None`` (the values are the rows).
 
         The gradient of an ``embedding_bag`` (float32) carries the bags'
         pooled gradient ``G`` ``[B, D]`` with each slot's bag and weight
-        (:class:`~jaxslices._recipe.Recipe`): ``values[s] = scale *
+        (a :class:`jaxslices.PooledGradient`): ``values[s] = scale *
         weight[s] * G[bag[s]]``. The native kernels read it instead of the
         ``[N, D]`` values, which XLA then never computes. Static, like the
         index flags, and not a pytree child: jaxslices' own operations keep
         it where they can (scaling, negation, concatenation, ``tree_scale``,
-        ``tree_add``, the transforms' scalings), generic tree code that
-        passes the leaves through unchanged gets it back, and anything else
-        that rebuilds the slices loses it (the values are then the rows; see
-        ``docs/sparse_gradients.md``, "The pooled gradient").
+        ``tree_add``, the transforms' scalings), and anything that rebuilds
+        the slices from their leaves loses it (flattening is pure: a ``jit``
+        boundary, any ``jax.tree.map``, the identity included); the kernels
+        then read the values, the same numbers (see
+        ``docs/sparse_gradients.md``, "The pooled gradient", and
+        :func:`jaxslices.kernels.explain`).
         """
         return self._recipe
 
@@ -543,16 +542,16 @@ def step_of(s: IndexedSlices) -> Any:
     return s._step
 
 
-def with_recipe(s: IndexedSlices, recipe: Recipe) -> IndexedSlices:
+def with_recipe(s: IndexedSlices, recipe: PooledGradient) -> IndexedSlices:
     """``s`` holding ``recipe``: how its values are made (:attr:`IndexedSlices.recipe`).
 
     The recipe must describe ``s.values`` (float32) slot by slot, padding
     slots excepted: a native kernel then reads it instead of the values, and
     under ``jit`` the values XLA would compute for nobody are dropped.
     """
-    if not isinstance(recipe, Recipe):
+    if not isinstance(recipe, PooledGradient):
         raise TypeError(
-            f"with_recipe: expected a jaxslices._recipe.Recipe, got "
+            f"with_recipe: expected a jaxslices.PooledGradient, got "
             f"{type(recipe).__name__}."
         )
     out = _with_flags(s, unique_indices=s._unique, indices_sorted=s._sorted)
@@ -577,7 +576,8 @@ def scale_values(
         # A low-precision gradient scaled (-lr * g): its product kept in
         # float32 as the rows' recipe, so the apply rounds it once, on both
         # paths (the values hold it rounded to their dtype).
-        out._recipe = Recipe.of_rows(s.values.astype(jnp.float32)).scaled(factor)
+        rows = PooledGradient.of_rows(s.values.astype(jnp.float32))
+        out._recipe = rows.scaled(factor)
     return out
 
 
@@ -606,7 +606,7 @@ def float32_rows(s: IndexedSlices) -> IndexedSlices:
     return out
 
 
-def kernel_input(s: IndexedSlices, where: str) -> Recipe:
+def kernel_input(s: IndexedSlices, where: str) -> PooledGradient:
     """What a native kernel reads for ``s``: its recipe, else its values.
 
     A kernel that reads the materialised ``[N, D]`` values records it for
@@ -626,60 +626,12 @@ def kernel_input(s: IndexedSlices, where: str) -> Recipe:
         why = (
             f"reading the {rows} values: the slices carry no pooled gradient (a "
             "per-id lookup's gradient, slices built by hand, or a gradient "
-            "rebuilt from its leaves, e.g. passed through a jit boundary)"
+            "rebuilt from its leaves: a jit boundary, any jax.tree.map, a Flax "
+            "NNX variable's value)"
         )
     kernel_path.note_materialised(where, why)
     # (a low-precision gradient's scaled rows keep their float32 product)
-    return Recipe.of_rows(s.values) if s._recipe is None else s._recipe
-
-
-# Slices flattened while they carry a recipe (or the note that they lost
-# one), by the id of their indices child: a rebuild from the very same
-# leaves gets the recipe back (jax.tree.map(lambda x: x, g), eqx.combine).
-# Weak: an entry lives as long as its slices (whose leaves it checks by
-# identity, so a reused id never matches).
-_FLATTENED: dict[int, weakref.ref] = {}
-_FLATTENED_LOCK = threading.Lock()
-
-
-def _remember_flattened(s: IndexedSlices) -> None:
-    if s._recipe is None and s._lost_by is None:
-        return
-    key = id(s._indices)
-
-    def forget(ref: weakref.ref, key: int = key) -> None:
-        with _FLATTENED_LOCK:
-            if _FLATTENED.get(key) is ref:
-                del _FLATTENED[key]
-
-    with _FLATTENED_LOCK:
-        _FLATTENED[key] = weakref.ref(s, forget)
-
-
-def _unflattened(out: IndexedSlices) -> IndexedSlices:
-    """``out`` (just rebuilt from leaves) with what its origin knew.
-
-    The same values and indices as slices flattened before: their recipe
-    and index flags. The same indices with other values (generic tree code
-    computed them): no recipe, and the note that such code lost it.
-    """
-    with _FLATTENED_LOCK:
-        ref = _FLATTENED.get(id(out._indices))
-    origin = None if ref is None else ref()
-    if (
-        origin is None
-        or origin._indices is not out._indices
-        or origin.dense_shape != out.dense_shape
-    ):
-        return out
-    if origin.values is out.values:
-        out._unique, out._sorted = origin._unique, origin._sorted
-        out._recipe, out._lost_by = origin._recipe, origin._lost_by
-    else:
-        out._lost_by = _lost(
-            origin, "a tree operation outside jaxslices (jax.tree.map or alike)"
-        )
-    return out
+    return PooledGradient.of_rows(s.values) if s._recipe is None else s._recipe
 
 
 def _dense_operand(x: Any, s: IndexedSlices, opname: str) -> jax.Array:
@@ -805,7 +757,10 @@ def concatenate(slices: Sequence[IndexedSlices]) -> IndexedSlices:
     # The parts' pooled gradients side by side (a part without one: its rows).
     if any(s._recipe is not None for s in slices) and dtype == jnp.float32:
         parts = [
-            (Recipe.of_rows(s.values) if s._recipe is None else s._recipe, s.num_slices)
+            (
+                PooledGradient.of_rows(s.values) if s._recipe is None else s._recipe,
+                s.num_slices,
+            )
             for s in slices
         ]
         out._recipe = _recipe.concatenate(parts)
@@ -1004,20 +959,35 @@ def global_norm(updates: Any) -> jax.Array:
       >>> float(jaxslices.global_norm({"emb": s, "w": jnp.array([8.0])}))
       10.0
     """
-    leaves = jax.tree.leaves(updates, is_leaf=is_indexed_slices)
-    leaves = [x for x in leaves if x is not None]
-    if not leaves:
+    return norm_of_leaves(jax.tree.leaves(updates, is_leaf=is_indexed_slices))
+
+
+def norm_of_leaves(
+    leaves: Sequence[Any], measured: Sequence[jax.Array | None] | None = None
+) -> jax.Array:
+    """:func:`global_norm` of ``leaves`` (``None`` leaves skipped).
+
+    ``measured[i]``, where given, is leaf ``i``'s squared norm already
+    measured (the native coalescing kernel's, ``clip_by_global_norm``), used
+    instead of summing its rows again.
+    """
+    measured = [None] * len(leaves) if measured is None else measured
+    squares = [
+        _squared_norm(x, m)
+        for x, m in zip(leaves, measured, strict=True)
+        if x is not None
+    ]
+    if not squares:
         return jnp.zeros((), jnp.float32)
-    return jnp.sqrt(sum(_squared_norm(x) for x in leaves))
+    return jnp.sqrt(sum(squares))
 
 
-def _squared_norm(x: Any) -> jax.Array:
+def _squared_norm(x: Any, measured: jax.Array | None = None) -> jax.Array:
     """:func:`sum_of_squares`, summed over row shards (see :func:`global_norm`)."""
     if not isinstance(x, IndexedSlices):
         return sum_of_squares(x)
-    recipe = x.recipe
-    if recipe is not None and recipe.sumsq is not None:
-        sq = recipe.sumsq  # measured by the native kernel that coalesced them
+    if measured is not None:
+        sq = measured
     elif x.unique_indices:  # coalesced (sorted or not): no duplicate to sum
         vals = x.values.astype(jnp.promote_types(x.dtype, jnp.float32))
         keep = _coalesce.rows_where(valid_mask(x), vals.ndim)
@@ -1125,21 +1095,21 @@ def _apply(
         flags.update(
             sum_duplicates=True, stochastic=stochastic, seed=seed, origin=origin
         )
-    decision = kernel_path.decide(where, tables=(x, s.values))
-    if decision.native:
+    reason = kernel_path.decide(tables=(x, s.values))
+    if not reason:
         # The table whole (a reshape in between would make XLA copy it).
         recipe = kernel_input(given, where)
     elif low:  # the float32 rows the kernel would read, laid out as `s`
-        recipe = Recipe.of_rows(_spmd.replicate_rows(x, float32_rows(given).values))
+        rows = _spmd.replicate_rows(x, float32_rows(given).values)
+        recipe = PooledGradient.of_rows(rows)
     else:
-        recipe = Recipe.of_rows(s.values)
+        recipe = PooledGradient.of_rows(s.values)
     return kernel_ops.apply(
         x,
         recipe,
         s.indices,
         **flags,
-        native=decision.native,
-        reason=decision.reason,
+        reason=reason,
         label=where,
     )
 

@@ -27,6 +27,26 @@ def pytest_report_header(config):
     return f"jaxslices native kernels: {KERNELS_STATUS}"
 
 
+# .ci/run prints the time of each part of a leg (venv, tests, docs, the
+# compiler-less pass); the tests' part is stamped here, by the controlling
+# process (not the xdist workers), into the file it names.
+def _stamp_ci_times(config, what):
+    path = os.environ.get("JAXSLICES_CI_TIMES")
+    if path and not hasattr(config, "workerinput"):
+        import time
+
+        with open(path, "a") as f:
+            f.write(f"{what} {time.time():.1f}\n")
+
+
+def pytest_sessionstart(session):
+    _stamp_ci_times(session.config, "tests_start")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _stamp_ci_times(session.config, "tests_end")
+
+
 @pytest.fixture
 def xla_path():
     """Trace on the XLA path (the native kernels off), for tests of its structure.
@@ -37,3 +57,55 @@ def xla_path():
 
     with jaxslices.kernels.disabled():
         yield
+
+
+# ------------------------------------------------ runs made on one leg only
+
+#: Marks a test that runs a notebook or a long example end to end: minutes of
+#: the library code that the rest of the suite tests on every leg. It runs on
+#: the newest tested JAX line (what Colab runs; CI's newest leg) and is
+#: deselected on older lines, where the committed outputs are still checked
+#: (tests/repo/test_notebooks.py's other tests), as the compiler-less pass
+#: runs a selection for its leg. ``JAXSLICES_EVERY_LEG=1`` runs them anyway.
+ONE_LEG = "newest_leg"
+
+
+def _runs_one_leg_here() -> bool:
+    from jaxslices import _jax_compat as compat
+
+    newest = compat.parse_version(compat.NEWEST_TESTED)[:2]
+    return (
+        compat.JAX_VERSION[:2] >= newest or os.environ.get("JAXSLICES_EVERY_LEG") == "1"
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        f"{ONE_LEG}: a notebook or long example run, made on the newest tested "
+        "JAX line only (tests/conftest.py)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if _runs_one_leg_here():
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if item.get_closest_marker(ONE_LEG) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+        config._jaxslices_one_leg = len(drop)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    dropped = getattr(config, "_jaxslices_one_leg", 0)
+    if dropped:
+        from jaxslices import _jax_compat as compat
+
+        terminalreporter.write_line(
+            f"{dropped} notebook and long example runs deselected: they run on "
+            f"the newest tested JAX line ({compat.NEWEST_TESTED}), not on "
+            f"{compat.JAX_VERSION}; JAXSLICES_EVERY_LEG=1 runs them here"
+        )

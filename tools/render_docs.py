@@ -394,7 +394,7 @@ def design_typed_cost() -> str:
     return "\n".join(lines) + "\n"
 
 
-#: Issue 21's goal on a GPU: every optimizer within this of the floor's SGD.
+#: The optimizer floor's goal on a GPU: every optimizer within this of its SGD.
 GPU_FLOOR_GOAL = 1.2
 
 
@@ -832,10 +832,10 @@ def scale_out_plans() -> str:
     verdict = "met" if met else "missed"
     out += [
         "",
-        f"Goal (issue 29): per-device rows and bytes at 8 devices within 1.25x of 2 "
-        f"devices for row-wise and table-wise plans: **{verdict}** for every "
-        f"optimizer (the largest ratios: {worst_g:.2f}x rows, {worst_c:.2f}x bytes; "
-        "masked routing: the global batch's 4x).",
+        "Goal of the scaling plans: per-device rows and bytes at 8 devices within "
+        f"1.25x of 2 devices for row-wise and table-wise plans: **{verdict}** for "
+        f"every optimizer (the largest ratios: {worst_g:.2f}x rows, "
+        f"{worst_c:.2f}x bytes; masked routing: the global batch's 4x).",
         "",
         f"Command (results in `benchmarks/results/{name.split('/')[0]}/`):",
         "",
@@ -852,7 +852,7 @@ _PEERS_CONFIGS = {
     "xla": "jaxslices, XLA path",
     "native": "jaxslices, native kernels",
 }
-#: Issue 31's goal: native <= 0.9x FBGEMM's 1-thread step (SGD, row-wise
+#: The peers goal: native <= 0.9x FBGEMM's 1-thread step (SGD, row-wise
 #: Adagrad, Adagrad; both V).
 PEERS_GOAL = 0.9
 
@@ -1051,7 +1051,7 @@ def kernels_sgd_duplicates() -> str:
     )
 
 
-#: Issue 39's goals (V = 1M and 128K; peers workload): one core, native <=
+#: The threads goals (V = 1M and 128K; peers workload): one core, native <=
 #: 0.8x FBGEMM's step (both pinned); both cores, native <= 0.65x its own
 #: one-core step (V = 1M) and faster than FBGEMM with 2 threads.
 THREADS_GOALS = {"one_core": 0.8, "two_cores": 0.65}

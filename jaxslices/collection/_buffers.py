@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
 
 __all__ = ["Buffer", "Layout", "Placement", "noise_origin", "stacked"]
@@ -38,13 +39,26 @@ class Placement:
     chunk: int
     stride: int = 0
 
-    def rows_of(self, ids: np.ndarray, piece: int = 0) -> np.ndarray:
-        """Buffer rows of table rows ``ids`` (NumPy), for one piece."""
-        ids = np.asarray(ids, np.int64)
-        q = ids // self.chunk
-        return (
-            self.base + q * self.stride + (ids - q * self.chunk) + piece * self.stride
-        )
+    def rows_of(self, ids: Any, piece: int = 0) -> Any:
+        """Buffer rows of table rows ``ids``, for one piece (the formula above).
+
+        NumPy ids are read as int64; JAX ids keep their dtype (traced too).
+        """
+        if not isinstance(ids, jax.Array):
+            ids = np.asarray(ids, np.int64)
+        return placed_rows(ids, self.base, self.chunk, self.stride, piece)
+
+
+def placed_rows(ids: Any, base: Any, chunk: Any, stride: Any, piece: Any = 0) -> Any:
+    """``base + (ids // chunk) * stride + ids % chunk + piece * stride``.
+
+    The placement formula of the module docstring, written once for every
+    array type (NumPy or JAX) and for per-id placements (``base``, ``chunk``
+    and ``stride`` arrays broadcast with ``ids``).
+    """
+    q = ids // chunk
+    rows = base + q * stride + (ids - q * chunk)
+    return rows if isinstance(piece, int) and piece == 0 else rows + piece * stride
 
 
 @dataclasses.dataclass(frozen=True)

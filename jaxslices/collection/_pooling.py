@@ -40,10 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _errors, _ids, _tape
-from ..embedding import embedding_lookup, pool
+from ..embedding import combiner_scale, embedding_lookup, pool
 from ..jagged import segment_ids
 from ..kernels import _path as kernel_path
 from ..keyed import KeyedJaggedIds, pad_bags, padded_features
+from ._buffers import placed_rows
 
 WHERE = "EmbeddingCollection"
 
@@ -241,8 +242,7 @@ def _row_ids(values, ok, spec, key, b, members):
     stride = jnp.asarray(spec.stride.astype(idx))[key]
     if np.any(spec.chunk[members] < spec.rows[members]):  # row-wise chunks
         chunk = jnp.asarray(spec.chunk.astype(idx))[key]
-        q = v // chunk
-        row = base + q * stride + (v - q * chunk)
+        row = placed_rows(v, base, chunk, stride)
     else:
         row = base + v
     if b.pieces > 1:  # column-wise: piece j of a row is `stride` rows further
@@ -267,26 +267,9 @@ def _gather_rows(table, gids, b, gather=None, batch_dim=0):
     return rows
 
 
-def _bag_scale(combiners, counts, dtype, feature_axis: int):
-    """``1 / sum(w)`` (mean), ``1 / sqrt(sum w^2)`` (sqrtn), 1 (sum); 0 if empty.
-
-    ``counts = (sum w, sqrt(sum w^2))`` per bag, laid out as the pooled result
-    without its last axis; ``combiners`` per feature along ``feature_axis``.
-    ``None`` when every combiner is a sum.
-    """
-    code = np.array([{"mean": 1, "sqrtn": 2}.get(c, 0) for c in combiners], np.int32)
-    if not code.any():
-        return None
-    mean_d, sqrtn_d = counts
-    shape = [1] * mean_d.ndim
-    shape[feature_axis] = len(code)
-    code = jnp.asarray(code.reshape(shape))
-    denom = jnp.where(code == 1, mean_d, jnp.where(code == 2, sqrtn_d, 1)).astype(dtype)
-    safe = jnp.where(denom == 0, jnp.ones((), dtype), denom)
-    return jnp.where(denom == 0, jnp.zeros((), dtype), 1 / safe)[..., None]
-
-
 # ------------------------------------------------------------------- padded
+
+_over_bag = functools.partial(jnp.sum, axis=-1)  # a padded bag's slots: the last axis
 
 
 def _padded(
@@ -321,12 +304,10 @@ def _padded(
         gather = gathers.get(b.name)
         if not seq and gather is None and _native(params[b.name], gids, b):
             wts = None if w is None else arrange(counted[sel] * w[sel])
-            scale = None
-            if any(spec.combiner[i] in ("mean", "sqrtn") for i in pos):
-                c = arrange(counted[sel]).astype(jnp.float32) if w is None else wts
-                counts = (jnp.sum(c, axis=-1), jnp.sqrt(jnp.sum(c * c, axis=-1)))
-                combs = [spec.combiner[i] for i in pos]
-                scale = _bag_scale(combs, counts, jnp.float32, fa).reshape(-1)
+            c = arrange(counted[sel]).astype(jnp.float32) if w is None else wts
+            combs = [spec.combiner[i] for i in pos]
+            scale = combiner_scale(combs, c, _over_bag, fa, jnp.float32)
+            scale = None if scale is None else scale.reshape(-1)
             n_bags = gids.shape[0] * gids.shape[1]
             out = _pool(params[b.name], gids, wts, scale, n_bags, gids.shape[-1])
             if out is not None:
@@ -343,11 +324,11 @@ def _padded(
                 wts = wts * w[sel[:n]].astype(rows.dtype)
             wts = arrange(wts)
             total = jnp.sum(mine if w is None else mine * wts[..., None], axis=-2)
-            counts = (jnp.sum(wts, axis=-1), jnp.sqrt(jnp.sum(wts * wts, axis=-1)))
-            scale = _bag_scale([spec.combiner[i] for i in pos], counts, rows.dtype, fa)
+            combs = [spec.combiner[i] for i in pos]
+            scale = combiner_scale(combs, wts, _over_bag, fa)
             pooled[b.name] = (
                 [spec.keys[i] for i in pos],
-                total if scale is None else total * scale,
+                total if scale is None else total * scale[..., None],
             )
         for j, i in enumerate(seq, start=n):
             Ls, own = int(spec.seq_len[i]), arrs[i].shape[1]
@@ -459,28 +440,26 @@ def _pool(table, gids, w, scale, n_bags, length, bag=None):
     return None if out is _tape.ROWS else out
 
 
-def _jagged_counts(ok, w, out_id, n_out, shape, dtype):
-    """``(Σ w, sqrt(Σ w²))`` per pooled bag, over its counted slots (``ok``)."""
+def _jagged_factor(ok, w, out_id, n_out, combs, shape, feature_axis, dtype):
+    """:func:`combiner_scale` of each pooled bag, ``shape``; ``None``: all 1."""
+
+    def per_bag(x):  # a sum over each pooled bag's counted slots (`ok`)
+        total = jax.ops.segment_sum(x, out_id, num_segments=n_out + 1)
+        return total[:n_out].reshape(shape)
+
     c = ok.astype(dtype)
-    s1 = jax.ops.segment_sum(
-        c if w is None else c * w.astype(dtype), out_id, num_segments=n_out + 1
-    )[:n_out].reshape(shape)
-    if w is None:  # 0/1 weights: Σ w² = Σ w
-        return s1, jnp.sqrt(s1)
-    wt = c * w.astype(dtype)
-    s2 = jax.ops.segment_sum(wt * wt, out_id, num_segments=n_out + 1)[:n_out]
-    return s1, jnp.sqrt(s2.reshape(shape))
+    c = c if w is None else c * w.astype(dtype)
+    return combiner_scale(combs, c, per_bag, feature_axis, dtype)
 
 
 def _jagged_scale(ok, w, out_id, n_out, order, spec, features, batch_major):
     """Per pooled bag ``[n_out]``: 1 / its count (mean), 1 / sqrt (sqrtn), 1."""
     combs = [spec.combiner[i] for i in order]
-    if not any(c in ("mean", "sqrtn") for c in combs):
-        return jnp.ones((n_out,), jnp.float32)
     B = features.batch_size
     shape = (B, len(order)) if batch_major else (len(order), B)
-    counts = _jagged_counts(ok, w, out_id, n_out, shape, jnp.float32)
-    return _bag_scale(combs, counts, jnp.float32, 1 if batch_major else 0).reshape(-1)
+    fa = 1 if batch_major else 0
+    scale = _jagged_factor(ok, w, out_id, n_out, combs, shape, fa, jnp.float32)
+    return jnp.ones((n_out,), jnp.float32) if scale is None else scale.reshape(-1)
 
 
 def _pool_jagged(rows, ok, w, out_id, n_out, order, spec, features, batch_major):
@@ -491,11 +470,9 @@ def _pool_jagged(rows, ok, w, out_id, n_out, order, spec, features, batch_major)
     shape = (B, n_f) if batch_major else (n_f, B)
     sums = sums.reshape(*shape, rows.shape[-1])
     combs = [spec.combiner[i] for i in order]
-    if not any(c in ("mean", "sqrtn") for c in combs):
-        return sums
-    counts = _jagged_counts(ok, w, out_id, n_out, shape, rows.dtype)
-    scale = _bag_scale(combs, counts, rows.dtype, 1 if batch_major else 0)
-    return sums * scale
+    fa = 1 if batch_major else 0
+    scale = _jagged_factor(ok, w, out_id, n_out, combs, shape, fa, rows.dtype)
+    return sums if scale is None else sums * scale[..., None]
 
 
 def _sequences(rows, b, spec, features, seq, seg, kid):

@@ -29,7 +29,9 @@ This module is the user's handle on it:
   (opt-in: not measured on a GPU yet; part of ``jax.jit``'s cache keys);
   :func:`gpu_target`: the GPU to lower them for on a host without one
   (``jax.export`` for ``cuda``).
-* ``python -m jaxslices.kernels``: build them now and print :func:`status`.
+* ``python -m jaxslices.kernels``: build them now (the first build takes
+  about a minute, once) and print :func:`status`, the compiler, the flags,
+  the threads and the cache (``--help``).
 
 Inside: ``_path`` (path choice: the switch, ``route``, the notes
 ``explain`` reads), ``_ops`` (the ops as primitives, their XLA references),

@@ -12,8 +12,14 @@ that jaxlib's FFI version; installing jaxslices never needs a compiler.
 * **Cache.** ``$JAXSLICES_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxslices``,
   else ``~/.cache/jaxslices``: one ``libjaxslices_kernels-<key>.so`` per
   (sources, compiler, flags, jaxlib, CPU), so a new jaxlib, a new compiler or
-  another machine sharing the directory builds its own. Building takes a few
-  seconds, once.
+  another machine sharing the directory builds its own.
+* **Cost.** The first build compiles every kernel with ``-O3``: 40 to 80
+  seconds on a laptop-class CPU (one compiler process; measured 40 s with
+  g++ 12 on two cores, about 80 s reported on a fresh clone), once per
+  cache key; every later process loads the cached library in milliseconds.
+  While it builds, one line on stderr says so (``jaxslices: building the
+  native CPU kernels ...``); ``python -m jaxslices.kernels`` builds ahead of
+  time and prints what was used.
 * **Parallel workers** (``pytest -n``, several processes starting at once):
   a file lock makes one process build while the others wait, and the library
   is written under a temporary name and renamed into place, so no process
@@ -25,7 +31,8 @@ that jaxlib's FFI version; installing jaxslices never needs a compiler.
   :func:`reason` gives the cause alone. ``JAXSLICES_NATIVE=0`` turns the
   kernels off: nothing is built and nothing warns.
 * **Command line**: ``python -m jaxslices.kernels`` builds (or finds) the
-  library and prints :func:`status` (``jaxslices/kernels/__main__.py``).
+  library and prints :func:`status`, the compiler, the flags, the threads
+  and the cache (``jaxslices/kernels/__main__.py``; ``--help``).
 """
 
 from __future__ import annotations
@@ -39,12 +46,21 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
 import jax
 
-__all__ = ["KernelsUnavailableWarning", "library_path", "load", "reason", "status"]
+__all__ = [
+    "KernelsUnavailableWarning",
+    "build_info",
+    "cache_dir",
+    "library_path",
+    "load",
+    "reason",
+    "status",
+]
 
 SOURCES = (
     "common.h", "parallel.h", "bag.cc", "rowwise.cc", "apply.cc", "pool.cc", "remap.cc"
@@ -60,9 +76,10 @@ TARGETS = {
     for ids in ("s32", "s64")
 }
 TARGETS["jaxslices_pool_threads"] = "JaxslicesPoolThreads"
-# The managed-collision remap (jaxslices/managed/_table.py): int32 only.
-TARGETS["jaxslices_managed_admit_s32"] = "JaxslicesManagedAdmitS32"
-TARGETS["jaxslices_managed_evict_s32"] = "JaxslicesManagedEvictS32"
+# The managed-collision remap (jaxslices/managed/_ops.py): no ids dtype (raw
+# ids are pairs of uint32 words), one registration each.
+TARGETS["jaxslices_managed_admit"] = "JaxslicesManagedAdmit"
+TARGETS["jaxslices_managed_evict"] = "JaxslicesManagedEvict"
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 
@@ -78,6 +95,10 @@ class _State:
         self.reason = "not built yet (built on first use)"
         self.path: Path | None = None
         self.warned = False
+        self.compiler: str | None = None  # what built (or would build) it
+        self.flags: tuple[str, ...] = ()
+        self.seconds: float | None = None  # this process's build, if it built
+        self.cache: Path | None = None  # the cache used (a fallback if unwritable)
 
 
 _STATE = _State()
@@ -99,7 +120,7 @@ def _compiler() -> str | None:
     return None
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     env = os.environ.get("JAXSLICES_CACHE_DIR")
     if env:
         return Path(env)
@@ -202,7 +223,7 @@ def _build() -> tuple[Path | None, str]:
             "clang++); install one (e.g. `apt install g++`) to get the native path"
         )
     extra = os.environ.get("JAXSLICES_CXXFLAGS", "").split()
-    cache = _cache_dir()
+    cache = cache_dir()
     try:
         cache.mkdir(parents=True, exist_ok=True)
         probe = tempfile.NamedTemporaryFile(dir=cache, delete=True)
@@ -212,7 +233,9 @@ def _build() -> tuple[Path | None, str]:
         cache.mkdir(parents=True, exist_ok=True)
     attempts = [["-march=native", *extra], extra]
     errors = []
+    _STATE.compiler, _STATE.cache = cxx, cache
     for flags in attempts:
+        _STATE.flags = (*BASE_FLAGS, *flags)
         key = _key(cxx, flags)
         final = cache / f"libjaxslices_kernels-{key}.so"
         if final.exists():
@@ -222,13 +245,24 @@ def _build() -> tuple[Path | None, str]:
                 return final, ""
             fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so.tmp")
             os.close(fd)
+            _notice(
+                f"jaxslices: building the native CPU kernels with {cxx} (once per "
+                f"jaxlib, compiler and CPU; about a minute), cached in {cache}"
+            )
+            start = time.perf_counter()
             err = _compile(cxx, Path(tmp), flags)
             if err is None:
                 os.replace(tmp, final)
+                _STATE.seconds = time.perf_counter() - start
                 return final, ""
             Path(tmp).unlink(missing_ok=True)
             errors.append(f"{cxx} {' '.join(flags)}: {err}")
     return None, "the C++ build failed:\n" + "\n".join(errors)
+
+
+def _notice(line: str) -> None:
+    """One line on stderr: what a process is doing that takes long."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _register(path: Path) -> None:
@@ -304,6 +338,25 @@ def status() -> str:
 def library_path() -> Path | None:
     """The loaded library's path, or ``None``."""
     return _STATE.path
+
+
+def build_info() -> dict[str, object]:
+    """What builds the kernels here: compiler, flags, cache, this build's time.
+
+    ``compiler`` is the one :func:`load` used (else the one it would use,
+    ``None`` without any), ``flags`` the flags of the library loaded (else
+    the first the build tries), ``seconds`` the time this process spent
+    compiling (``None``: found in the cache, or not built).
+    """
+    cxx = _STATE.compiler or _compiler()
+    extra = os.environ.get("JAXSLICES_CXXFLAGS", "").split()
+    return {
+        "compiler": cxx,
+        "version": next(iter(_compiler_version(cxx).splitlines()), "") if cxx else "",
+        "flags": _STATE.flags or (*BASE_FLAGS, "-march=native", *extra),
+        "cache": _STATE.cache or cache_dir(),
+        "seconds": _STATE.seconds,
+    }
 
 
 if __name__ == "__main__":  # the command line moved: runpy warned on this name

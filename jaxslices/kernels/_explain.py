@@ -1,7 +1,8 @@
 """``explain``: which path (native kernel or XLA) each operation of a step takes.
 
 It reads the decisions from the step's jaxpr (the path notes of
-:mod:`jaxslices.kernels._path` and the native ops' own equations), so it
+:mod:`jaxslices.kernels._path` and the native ops' own equations, with the
+reason their caller passed), so it
 reports the trace that calling the step runs: the kernels' switch is part of
 ``jax.jit``'s cache keys, and ``explain`` traces in the caller's context.
 """
@@ -17,8 +18,8 @@ from typing import Any
 import jax
 
 from . import _build, _pallas, _threads
-from ._ops import NATIVE_OPS
 from ._path import MARKER, MATERIALISED, Decision
+from ._primitive import OPS
 
 __all__ = ["Report", "explain"]
 
@@ -102,9 +103,9 @@ def _decisions(jaxpr: Any, per_device: bool) -> list[Decision]:
             reads[eqn.params["op"]].append(eqn.params["reason"])
         elif name == MARKER:
             out.append(Decision(eqn.params["op"], False, eqn.params["reason"]))
-        elif name in NATIVE_OPS:
+        elif name in OPS:
             label = eqn.params.get("label") or name
-            if not eqn.params.get("native", True):  # decided when traced
+            if eqn.params["reason"]:  # bound in every case: its reference runs
                 out.append(Decision(label, False, eqn.params["reason"]))
             elif per_device:
                 why = reads[label].pop(0) if reads[label] else ""
@@ -180,7 +181,12 @@ def explain(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     calls = cpu_calls + gpu_calls
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     decisions = _decisions(jaxpr, per_device=calls > 0)
-    threads = _threads.describe() if cpu_calls else ""
+    # the thread setting, where a kernel that shares work between threads runs
+    threaded = {n for n, op in OPS.items() if "threads" in op.attrs}
+    threaded_calls = re.findall(
+        r"(?:custom_call @|call_target_name = \")(" + "|".join(threaded) + ")", text
+    )
+    threads = _threads.describe() if threaded_calls else ""
     return Report(tuple(decisions), calls, _build.status(), threads, gpu_calls)
 
 

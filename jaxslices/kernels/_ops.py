@@ -13,20 +13,25 @@ shard), it lowers to the FFI custom call; on a GPU, inside
 :func:`jaxslices.kernels.gpu_kernels` (opt-in), to its Pallas kernel
 (``_pallas.py``). A TPU kernel would be one more lowering rule: the seam.
 
-Three ops (``csrc/`` holds their kernels):
+Three ops here (``csrc/`` holds their kernels; the managed-collision
+remap's two are in :mod:`jaxslices.managed._ops`):
 
 * :func:`bag_forward`: pooled rows of bags of ids (``embedding_bag``'s
   forward);
-* :func:`rowwise`: a sparse gradient, given as a :class:`Recipe`, summed per
+* :func:`rowwise`: a sparse gradient, given as a :class:`PooledGradient`, summed per
   distinct id, then an optimizer rule on each distinct row and its state,
   in place;
 * :func:`apply`: a sparse update, as a recipe, added to a table in place.
 
-A :class:`~jaxslices._recipe.Recipe` (:attr:`jaxslices.IndexedSlices.recipe`)
+A :class:`~jaxslices.PooledGradient` (:attr:`jaxslices.IndexedSlices.recipe`)
 describes the rows of a sparse gradient without making them: slot ``s``
 holds ``scale * weight[s] * src[bag[s]]``, so the pooled gradient of a bag
 (``[B, R]``) stands for its ``[N, R]`` per-id rows. Whether an op runs its
 kernel at all is decided by :mod:`jaxslices.kernels._path`.
+
+A row-wise rule is a :class:`RuleSpec`: its XLA reference is the rule's one
+body (the op's reference and the Pallas kernel call it; the C++ kernel is
+tested against it), and its shape (:data:`SHAPES`) is held here once.
 """
 
 from __future__ import annotations
@@ -35,14 +40,14 @@ import dataclasses
 import enum
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import _coalesce, _jax_compat, _rounding, _strict
-from .._recipe import Recipe, flat_rows
+from .._recipe import PooledGradient, flat_rows
 from . import _pallas
 from ._primitive import NativeOp, check_ids_dtype
 
@@ -53,8 +58,8 @@ class Rule(enum.IntEnum):
     """The row-wise kernel's rules: its ``rule`` attribute (an enum in C++).
 
     The same names and numbers as ``enum class Rule`` in ``csrc/rowwise.cc``
-    (``tests/lib/test_kernels_boundary.py`` reads it); the kernel checks each
-    rule's hyperparameter count and state width.
+    (``tests/lib/test_kernels_boundary.py`` reads it); the kernels check each
+    rule's hyperparameter count and state width (:data:`SHAPES`).
     """
 
     COALESCE = 0
@@ -67,6 +72,36 @@ class Rule(enum.IntEnum):
     DECAY = 7
     FTRL = 8
     MAX_NORM = 9
+
+
+class RuleShape(NamedTuple):
+    """What a rule reads besides the gradient rows ``[K, R]``.
+
+    ``num_hp`` hyperparameters; ``state_rows``: its state per row (0: none,
+    -1: one float, ``k``: ``k`` parts of ``R`` floats); ``uses_params``: it
+    reads the parameter rows.
+    """
+
+    num_hp: int
+    state_rows: int
+    uses_params: bool
+
+
+# Each rule's shape, held here once: the Pallas kernels read it, the C++
+# kernel's ``ShapeOf`` (csrc/rowwise.cc) is compared with it by
+# tests/lib/test_kernels_boundary.py.
+SHAPES = {
+    Rule.COALESCE: RuleShape(0, 0, False),
+    Rule.CLIP: RuleShape(1, 0, False),
+    Rule.ROW_NORM: RuleShape(1, 0, False),
+    Rule.RSS: RuleShape(1, 1, False),
+    Rule.ROWWISE_RSS: RuleShape(1, -1, False),
+    Rule.ADAM: RuleShape(9, 2, False),
+    Rule.TRACE: RuleShape(1, 1, False),
+    Rule.DECAY: RuleShape(1, 0, True),
+    Rule.FTRL: RuleShape(6, 2, True),
+    Rule.MAX_NORM: RuleShape(3, 1, False),
+}
 
 
 def _f32(x: Any) -> jax.Array:
@@ -195,7 +230,6 @@ def bag_forward(
         has_scale=scale is not None,
         length=int(length),
         num_bags=int(num_bags),
-        fallback=None,
         label=label,
         strict=bool(strict),
         dense_check=bool(dense_check),
@@ -208,23 +242,25 @@ def bag_forward(
 
 @dataclasses.dataclass(frozen=True)
 class RuleSpec:
-    """One optimizer rule, for the kernel and its XLA reference.
+    """One optimizer rule: its XLA reference, which every kernel follows.
 
-    ``reference(g, state_rows, p_rows, hp, cfg) -> (out, new_state_rows)`` on
-    ``[K, R]`` rows (``state_rows``/``new_state_rows`` ``[K, S]`` or ``None``,
-    ``p_rows`` ``[K, R]`` or ``None``); ``hp`` the hyperparameters as a
-    float32 vector (traced values welcome: schedules); ``cfg`` static.
-    ``kind`` names the kernel's rule (:class:`Rule`, lower case), which
-    checks the number of hyperparameters and the state's row width;
-    ``nesterov`` (``trace``, ``adam``) and ``sqrt_power`` (``ftrl``: the
-    power is 0.5) are the rules' two options.
+    ``reference(g, state, p_rows, hp, cfg) -> (out, new_state)`` on ``[K, R]``
+    rows: ``state`` and ``new_state`` tuples of the state's parts (each
+    ``[K, R]``, or ``[K, 1]`` for one float per row; ``()`` for a rule
+    without state), ``p_rows`` ``[K, R]`` or ``None``; ``hp`` the
+    hyperparameters, a sequence of float32 scalars (traced values welcome:
+    schedules); ``cfg`` static. It is the rule's one body: the op's XLA
+    reference calls it on all the distinct rows, the Pallas kernel on one
+    row at a time (``[1, R]``), and the C++ kernel is tested against it.
+    ``kind`` names the kernel's rule (:class:`Rule`, lower case), whose
+    shape (:data:`SHAPES`) says what it reads; ``nesterov`` (``trace``,
+    ``adam``) and ``sqrt_power`` (``ftrl``: the power is 0.5) are the rules'
+    two options.
     """
 
     kind: str
     reference: Callable[..., Any]
     cfg: Any = None
-    uses_state: bool = False
-    uses_params: bool = False
     nesterov: bool = False
     sqrt_power: bool = False
 
@@ -232,8 +268,34 @@ class RuleSpec:
     def rule(self) -> Rule:
         return Rule[self.kind.upper()]
 
+    @property
+    def shape(self) -> RuleShape:
+        return SHAPES[self.rule]
 
-def _recipe_args(recipe: Recipe) -> tuple[list[Any], dict[str, bool]]:
+    @property
+    def uses_state(self) -> bool:
+        return self.shape.state_rows != 0
+
+    @property
+    def uses_params(self) -> bool:
+        return self.shape.uses_params
+
+
+def state_parts(rows: jax.Array, shape: RuleShape) -> tuple[jax.Array, ...]:
+    """A rule's state rows ``[K, S]`` as its parts (:class:`RuleSpec`)."""
+    if shape.state_rows == 0:
+        return ()
+    if shape.state_rows <= 1:
+        return (rows,)
+    r = rows.shape[1] // shape.state_rows
+    return tuple(rows[:, k * r : (k + 1) * r] for k in range(shape.state_rows))
+
+
+def _join_parts(parts: tuple[jax.Array, ...]) -> jax.Array:
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def _recipe_args(recipe: PooledGradient) -> tuple[list[Any], dict[str, bool]]:
     """The recipe as operands ``[src, bag, weight, scale]`` and its has_* flags."""
     bag = _NONE_I32 if recipe.bag is None else recipe.bag
     weight = _NONE_F32 if recipe.weight is None else _f32(recipe.weight)
@@ -260,7 +322,7 @@ def _materialize(
     if n == 0:  # no slots (ids [B, 0] of a recipe whose src is [B, R])
         return jnp.zeros((0, src.shape[1]), src.dtype)
     exact = not jnp.issubdtype(src.dtype, jnp.inexact)  # an integer table's rows
-    return Recipe(
+    return PooledGradient(
         src,
         bag if has_bag else None,
         length,
@@ -287,13 +349,13 @@ def _rowwise_reference(
         state_rows = state.at[uids].get(**gather)
     if p_rows is not None:  # a bfloat16/float16 table's rows, read in float32
         p_rows = flat_rows(p_rows).astype(jnp.promote_types(params.dtype, jnp.float32))
-    if state_rows is not None:
-        state_rows = flat_rows(state_rows)
-    out, new_rows = spec.reference(summed, state_rows, p_rows, hp, spec.cfg)
+    parts = () if state_rows is None else state_parts(flat_rows(state_rows), spec.shape)
+    out, new_parts = spec.reference(summed, parts, p_rows, hp, spec.cfg)
     valid = (uids < num_rows)[:, None]
     out = jnp.where(valid, out, jnp.zeros((), out.dtype))
     if spec.uses_state:
-        new_rows = new_rows.astype(state.dtype).reshape((-1, *state.shape[1:]))
+        new_rows = _join_parts(new_parts).astype(state.dtype)
+        new_rows = new_rows.reshape((-1, *state.shape[1:]))
         state = state.at[uids].set(new_rows, mode="drop", unique_indices=True)
     return [state, uids, out.astype(jnp.float32), count, sumsq.astype(jnp.float32)]
 
@@ -337,7 +399,7 @@ _ROWWISE = NativeOp(
 
 
 def rowwise(
-    recipe: Recipe,
+    recipe: PooledGradient,
     ids: jax.Array,
     *,
     num_rows: int,
@@ -388,17 +450,12 @@ def rowwise(
         num_rows=int(num_rows),
         capacity=int(capacity),
         spec=spec,
-        fallback=None,
         label=label,
     )
     return (st if spec.uses_state else None), uids, rows, count, sumsq
 
 
 # ----------------------------------------------------------------- apply
-
-NATIVE_OPS = frozenset(
-    {"jaxslices_bag_forward", "jaxslices_rowwise", "jaxslices_apply"}
-)
 
 
 def _apply_reference(
@@ -491,7 +548,7 @@ _APPLY = NativeOp(
 
 def apply(
     table: jax.Array,
-    recipe: Recipe,
+    recipe: PooledGradient,
     ids: jax.Array,
     *,
     coalesced: bool = False,
@@ -500,7 +557,6 @@ def apply(
     stochastic: bool = False,
     seed: Any = None,
     origin: Any = None,
-    native: bool = True,
     reason: str = "",
     label: str = "",
 ) -> jax.Array:
@@ -508,9 +564,9 @@ def apply(
 
     The one body of the update of a table (``jaxslices.apply_updates``,
     ``scatter_add``, ``IndexedSlices + array``): the primitive is bound
-    whatever the path, with the decision of :func:`_path.decide`
-    (``native``, and the ``reason`` when not); its lowering runs the kernel
-    or this op's XLA reference, which is the XLA path. ``coalesced``
+    whatever the path, with :func:`_path.decide`'s ``reason`` (``""``:
+    native); its lowering runs the kernel or this op's XLA reference, which
+    is the XLA path. ``coalesced``
     (distinct valid ids) and ``indices_sorted`` are XLA's scatter promises.
     ``origin`` (ids' dtype, :func:`noise_rows`): where the stochastic
     rounding's noise reads each row (``None``: the row itself).
@@ -548,7 +604,6 @@ def apply(
         sum_duplicates=bool(sum_duplicates),
         stochastic=bool(stochastic),
         length=int(recipe.length),
-        native=bool(native),
         reason=str(reason),
         label=label,
     )

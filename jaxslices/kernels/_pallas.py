@@ -1,4 +1,11 @@
-"""The Pallas GPU kernels of the native ops (opt-in, unmeasured on a GPU).
+"""The Pallas GPU kernels of the native ops: experimental, opt-in.
+
+Experimental until measured on a GPU (the decision is in docs/design.md,
+"The Pallas GPU kernels"): taken only inside
+:func:`jaxslices.kernels.gpu_kernels`, never by default, with no speed
+claim; a port to Mosaic GPU (JAX's recommended GPU backend on the 0.12
+line, where the Triton backend used here is deprecated) or their removal
+is decided by that measurement.
 
 Each function here has the signature of its op's XLA reference in
 :mod:`jaxslices.kernels._ops` (operands, then the op's parameters) and
@@ -30,7 +37,10 @@ platform: the tests run them on a CPU against the XLA references.
 Limits, checked by :func:`unsupported` (and by ``kernels._path.route`` on a
 GPU, so that ``explain`` says why): float32, a row width (the product of the
 trailing dimensions) that is a power of two (Triton's blocks are), at least
-one row. The rules mirror ``csrc/rowwise.cc`` one for one.
+one row. The rules are not written here: each program calls its rule
+spec's reference (``_ops.RuleSpec``, the rule's one body) on its row, with
+the rule's shape from ``_ops.SHAPES`` (the one table, tied to
+``csrc/rowwise.cc`` by the boundary test).
 """
 
 from __future__ import annotations
@@ -61,21 +71,27 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def unsupported(*avals: Any) -> str | None:
+def unsupported(*arrays: Any) -> str | None:
     """Why these operands cannot take the GPU kernels (``None``: they can).
 
-    Every floating operand of rank >= 2 must be float32 with a power-of-two
-    row width.
+    The one GPU predicate: :func:`jaxslices.kernels._path.decide` asks it
+    when a step is traced (so that ``explain`` says why) and the GPU
+    lowering when it is lowered (on every operand). Every floating array of
+    rank >= 2 must be float32 with a power-of-two row width.
     """
     if not _jax_compat.AVAILABLE["pallas_gpu"]:
-        return "this JAX lacks Pallas's GPU (Triton) backend"
-    for a in avals:
-        if not jnp.issubdtype(a.dtype, jnp.floating) or len(a.shape) < 2:
+        return "this JAX lacks Pallas's GPU backend (Triton)"
+    for a in arrays:
+        shape = tuple(getattr(a, "shape", ()))
+        if len(shape) < 2 or not jnp.issubdtype(a.dtype, jnp.floating):
             continue
         if a.dtype != jnp.float32:
             return f"a {a.dtype} array (the GPU kernels take float32)"
-        if not _power_of_two(_width(a.shape)):
-            return f"rows of {_width(a.shape)} floats (not a power of two)"
+        if not _power_of_two(_width(shape)):
+            return (
+                f"rows of {_width(shape)} floats (the Pallas GPU kernels take "
+                "a power-of-two row width)"
+            )
     return None
 
 
@@ -251,95 +267,6 @@ def _recipe_sum(refs, start, end, r, *, has_bag, has_weight, length, num_src):
     return jax.lax.fori_loop(start, end, slot, jnp.zeros((1, r), jnp.float32))
 
 
-# ----------------------------------------------------------------- rules
-
-# (number of hyperparameters, state parts: 0 none, -1 one float per row,
-#  k: k rows of R floats; reads the parameters) as csrc/rowwise.cc's ShapeOf.
-RULES: dict[str, tuple[int, int, bool]] = {
-    "coalesce": (0, 0, False),
-    "clip": (1, 0, False),
-    "row_norm": (1, 0, False),
-    "rss": (1, 1, False),
-    "rowwise_rss": (1, -1, False),
-    "adam": (9, 2, False),
-    "trace": (1, 1, False),
-    "decay": (1, 0, True),
-    "ftrl": (6, 2, True),
-    "max_norm": (3, 1, False),
-}
-
-
-def _clip(x: jax.Array, d: Any) -> jax.Array:
-    """``clip(x, -d, d)`` that keeps NaN (as ``jnp.clip``)."""
-    return jnp.where(x < -d, -d, jnp.where(x > d, d, x))
-
-
-def _rule(kind, g, state, p, hp, r, *, nesterov, sqrt_power):
-    """One distinct row's rule: ``(out [1, r], new state parts)``.
-
-    ``state`` the state's parts (``[1, r]`` each; ``[1, 1]`` for one float
-    per row), ``p`` the parameter row, ``hp`` a function of the index. The
-    maths of ``csrc/rowwise.cc``'s ``ApplyRule``, NaN handling included.
-    """
-    if kind == "coalesce":
-        return g, state
-    if kind == "clip":
-        return _clip(g, hp(0)), state
-    if kind == "row_norm":
-        m = hp(0)
-        norm = jnp.sqrt(jnp.sum(g * g))
-        return jnp.where(norm > m, g * (m / norm), g), state
-    if kind == "rss":
-        acc = g * g + state[0]
-        f = jnp.where(acc > 0.0, 1.0 / jnp.sqrt(acc + hp(0)), 0.0)
-        return f * g, [acc]
-    if kind == "rowwise_rss":
-        acc = state[0] + jnp.sum(g * g) / float(r)
-        denom = jnp.where(acc > 0.0, jnp.sqrt(acc) + hp(0), 1.0)
-        return g / denom, [acc]
-    if kind == "adam":
-        b1, b2, eps, eps_root = hp(0), hp(1), hp(2), hp(3)
-        bc_mu, bc_nu, bc_next, c1, c2 = hp(4), hp(5), hp(6), hp(7), hp(8)
-        mu = c1 * g + b1 * state[0]
-        nu = c2 * (g * g) + b2 * state[1]
-        mu_hat = b1 * (mu / bc_next) + c1 * (g / bc_mu) if nesterov else mu / bc_mu
-        return mu_hat / (jnp.sqrt(nu / bc_nu + eps_root) + eps), [mu, nu]
-    if kind == "trace":
-        t = g + hp(0) * state[0]
-        return (g + hp(0) * t if nesterov else t), [t]
-    if kind == "decay":
-        return g + hp(0) * p, state
-    if kind == "ftrl":
-        lr, pw, l1, l2, l2s, beta = (hp(k) for k in range(6))
-        n, z = state
-        n_new = n + g * g
-        if sqrt_power:
-            pow_new, pow_old = jnp.sqrt(n_new), jnp.sqrt(n)
-        else:
-            pow_new, pow_old = jnp.power(n_new, pw), jnp.power(n, pw)
-        z_new = z + (g + 2.0 * l2s * p) - (pow_new - pow_old) / lr * p
-        q = pow_new / lr + 2.0 * (l2 + beta / (2.0 * lr))
-        p_new = (_clip(z_new, l1) - z_new) / q
-        return p_new - p, [n_new, z_new]
-    if kind == "max_norm":
-        m, p_type, eps = hp(0), hp(1), hp(2)
-        (st,) = state
-        a = jnp.abs(st)
-        largest = jnp.max(a)  # NaN wins, as in the CPU kernel
-        p_norm = jnp.power(jnp.sum(jnp.power(a, p_type)), 1.0 / p_type)
-        norm = jnp.where(
-            jnp.isinf(p_type),
-            largest,
-            jnp.where(
-                p_type == 2.0,
-                jnp.sqrt(jnp.sum(st * st)),
-                jnp.where(p_type == 1.0, jnp.sum(a), p_norm),
-            ),
-        )
-        return g, [jnp.where(norm > m, st * (m / (norm + eps)), st)]
-    raise ValueError(f"jaxslices GPU rowwise kernel: unknown rule {kind!r}")
-
-
 # --------------------------------------------------------------- rowwise
 
 
@@ -357,9 +284,9 @@ def _state_view(state: jax.Array, parts: int, r: int) -> jax.Array:
     return state if state.ndim == 2 else state.reshape(v, r)
 
 
-def _check_rule(kind, hp, params, state, num_rows, r) -> None:
-    num_hp, parts, uses_params = RULES[kind]
-    where = "jaxslices GPU rowwise kernel"
+def _check_rule(spec, hp, params, state, num_rows, r) -> None:
+    num_hp, parts, uses_params = spec.shape
+    where, kind = "jaxslices GPU rowwise kernel", spec.kind
     if hp.shape[0] != num_hp:
         raise ValueError(
             f"{where}: rule {kind} takes {num_hp} hyperparameters, got {hp.shape[0]}"
@@ -378,11 +305,16 @@ def _check_rule(kind, hp, params, state, num_rows, r) -> None:
 
 
 def _run_kernel(
-    kind: str, r: int, *, has_bag, has_weight, length, num_src, parts,
-    write_rows, uses_params=False, nesterov=False, sqrt_power=False,
+    spec: Any, r: int, *, has_bag, has_weight, length, num_src, write_rows,
 ) -> Callable[..., None]:  # fmt: skip
-    """The kernel of one run per program: sum, rule, state row in place."""
+    """The kernel of one run per program: sum, rule, state row in place.
+
+    ``spec``: the rule (``_ops.RuleSpec``: its reference is the rule's one
+    body, called on the run's summed row, ``[1, r]``), or ``None`` for the
+    update (the table is the state: row += summed rows).
+    """
     pl = _jax_compat.pallas
+    num_hp, parts, uses_params = spec.shape if spec is not None else (0, 1, False)
 
     def kernel(*refs):
         refs = list(refs)
@@ -391,7 +323,7 @@ def _run_kernel(
         bag_ref = rest.pop(0) if has_bag else None
         w_ref = rest.pop(0) if has_weight else None
         scale_ref = rest.pop(0)
-        hp_ref = rest.pop(0) if RULES.get(kind, (0,))[0] else None
+        hp_ref = rest.pop(0) if num_hp else None
         p_ref = rest.pop(0) if uses_params else None
         st_in = rest.pop(0) if parts else None
         st_out = rest.pop(0) if parts else None
@@ -414,30 +346,22 @@ def _run_kernel(
             )
             if write_rows:
                 sq_ref[pl.ds(j, 1)] = jnp.sum(g * g).reshape(1)
-            if kind == "apply":  # the table is the state: row += summed rows
+            if spec is None:  # the update: the table is the state
                 _set_row(st_out, uid, _row(st_in, uid) + g)
                 return
             if parts == 2:
-                state = [st_in[pl.ds(uid, 1), k, :] for k in range(2)]
+                state = tuple(st_in[pl.ds(uid, 1), k, :] for k in range(2))
             else:
-                state = [_row(st_in, uid)] if parts else []
+                state = (_row(st_in, uid),) if parts else ()
             p = _row(p_ref, uid) if uses_params else None
-            out, new = _rule(
-                kind,
-                g,
-                state,
-                p,
-                lambda k: hp_ref[k],
-                r,
-                nesterov=nesterov,
-                sqrt_power=sqrt_power,
-            )
+            hp = tuple(hp_ref[k] for k in range(num_hp))
+            out, new = spec.reference(g, state, p, hp, spec.cfg)
             if parts == 2:
                 for k in range(2):
-                    st_out[pl.ds(uid, 1), k, :] = new[k]
+                    st_out[pl.ds(uid, 1), k, :] = new[k].astype(jnp.float32)
             elif parts:
-                _set_row(st_out, uid, new[0])
-            rows_ref[pl.ds(j, 1), :] = out
+                _set_row(st_out, uid, new[0].astype(jnp.float32))
+            rows_ref[pl.ds(j, 1), :] = out.astype(jnp.float32)
 
         if write_rows:
 
@@ -468,19 +392,18 @@ def _run_operands(runs, src, bag, weight, scale, has_bag, has_weight, length):
 
 
 def rowwise(
-    src, ids, bag, weight, scale, hp, params, state, *, rule, has_bag,
-    has_weight, length, num_rows, capacity, nesterov=False, sqrt_power=False,
-    interpret=False, **_,
+    src, ids, bag, weight, scale, hp, params, state, *, spec, has_bag,
+    has_weight, length, num_rows, capacity, interpret=False, **_,
 ):  # fmt: skip
     """Sum a recipe's rows per distinct id, then the rule per row (Pallas).
 
     The op's reference's signature and outputs (:func:`_ops.rowwise`):
-    ``[state, uids, rows, count, sumsq]``, the distinct ids sorted.
+    ``[state, uids, rows, count, sumsq]``, the distinct ids sorted. The rule
+    is ``spec.reference`` on each distinct row (its one body).
     """
-    kind = rule.name.lower() if hasattr(rule, "name") else str(rule)
     n, r = ids.shape[0], src.shape[1]
-    _check_rule(kind, hp, params, state, num_rows, r)
-    _, parts, uses_params = RULES[kind]
+    _check_rule(spec, hp, params, state, num_rows, r)
+    num_hp, parts, uses_params = spec.shape
     if n == 0 or capacity == 0:  # no slots: nothing summed, the state as it was
         count = jnp.zeros((), jnp.int32)
         if n:  # capacity 0: the count of distinct ids, for the caller's check
@@ -493,10 +416,10 @@ def rowwise(
     operands, recipe = _run_operands(
         runs, src, bag, weight, scale, has_bag, has_weight, length
     )
-    if RULES[kind][0]:  # no empty operand (Triton has no zero-size blocks)
+    if num_hp:  # no empty operand (Triton has no zero-size blocks)
         operands.append(hp)
-    if uses_params:
-        operands.append(params.reshape(params.shape[0], r))
+    if uses_params:  # read in float32, as the reference reads them
+        operands.append(params.reshape(params.shape[0], r).astype(jnp.float32))
     out_shape = []
     if parts:
         operands.append(st)
@@ -505,19 +428,10 @@ def rowwise(
         jax.ShapeDtypeStruct((capacity, r), jnp.float32),
         jax.ShapeDtypeStruct((capacity,), jnp.float32),
     ]
-    kernel = _run_kernel(
-        kind,
-        r,
-        **recipe,
-        parts=parts,
-        write_rows=True,
-        uses_params=uses_params,
-        nesterov=nesterov,
-        sqrt_power=sqrt_power,
-    )
+    kernel = _run_kernel(spec, r, **recipe, write_rows=True)
     outs = _call(
         kernel,
-        name=f"rowwise_{kind}",
+        name=f"rowwise_{spec.kind}",
         grid=(capacity,),
         out_shape=tuple(out_shape),
         interpret=interpret,
@@ -553,7 +467,7 @@ def apply(
         runs, src, bag, weight, scale, has_bag, has_weight, length
     )
     operands.append(flat)
-    kernel = _run_kernel("apply", r, **recipe, parts=1, write_rows=False)
+    kernel = _run_kernel(None, r, **recipe, write_rows=False)
     (out,) = _call(
         kernel,
         name="apply",

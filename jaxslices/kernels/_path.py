@@ -1,16 +1,18 @@
 """Path choice: does an operation run its native kernel or the XLA path, and why.
 
-Every jaxslices operation with a kernel asks :func:`route` when it is traced
-(the kernels are on and load, the platform is the CPU, or a GPU inside
-:func:`gpu_kernels` with rows of a power-of-two width, float32 arrays (a
-table and its gradient may also be bfloat16 or float16 on the CPU), not
-under ``jax.vmap``, not laid out over a mesh by ``jit``), or records with
-:func:`note` why it takes the XLA path by itself. An op bound on either
-path (the apply) asks :func:`decide` instead and carries the decision in
-its primitive's parameters, where ``explain`` reads it. Each decision is written
-into the traced jaxpr as a marker primitive that computes nothing, so that
-:func:`jaxslices.kernels.explain` reads the decisions of the step as JAX
-traced it (also of a trace JAX had cached). A native kernel that reads a
+Every jaxslices operation with a kernel asks :func:`decide` when it is
+traced (the kernels are on and load, the platform is the CPU, or a GPU
+inside :func:`gpu_kernels` with rows of a power-of-two width, float32
+arrays (a table and its gradient may also be bfloat16 or float16 on the
+CPU), not under ``jax.vmap``, not laid out over a mesh by ``jit``): through
+:func:`route` where its caller runs the XLA path itself, or by passing the
+reason to its primitive, bound in every case, whose lowering picks the
+kernel or the reference (the managed-collision remap's ops). An operation
+that takes the XLA path by itself records why with :func:`note`. Each
+decision is in the traced jaxpr (a marker primitive that computes nothing,
+or the op's own equation), so that :func:`jaxslices.kernels.explain` reads
+the decisions of the step as JAX traced it (also of a trace JAX had
+cached). A native kernel that reads a
 sparse gradient's ``[N, D]`` values instead of its pooled form records that
 too (:func:`note_materialised`).
 
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _jax_compat
-from . import _build
+from . import _build, _pallas
 
 __all__ = [
     "Decision",
@@ -193,54 +195,52 @@ def route(
 ) -> bool:
     """Whether ``op`` takes the native path; an XLA path is recorded with why.
 
-    Native when: the kernels are enabled and load (built on first use; a
-    failure warns once), JAX's default platform is the CPU, every float
-    array among ``arrays`` has a dtype in ``dtypes`` and every one among
-    ``tables`` (a table, the rows of its gradient or update, the parameters
-    a rule reads) one of :data:`TABLE_DTYPES` (on a GPU: float32), and none
-    is batched by ``jax.vmap``. Otherwise the caller runs its XLA path.
+    For an operation whose caller runs the XLA path itself when the kernel
+    may not run; see :func:`decide` for the conditions. An op bound in every
+    case (the managed-collision remap's) passes :func:`decide`'s reason to
+    its primitive instead, which records it.
     """
-    decision = decide(op, *arrays, tables=tables, dtypes=dtypes)
-    if not decision.native:
-        note(op, decision.reason)
-    return decision.native
+    reason = decide(*arrays, tables=tables, dtypes=dtypes)
+    if reason:
+        note(op, reason)
+    return not reason
 
 
 def decide(
-    op: str,
     *arrays: Any,
     tables: tuple[Any, ...] = (),
     dtypes: tuple[Any, ...] = (jnp.float32,),
-) -> Decision:
-    """:func:`route`'s decision, not recorded: for an op that binds its
-    primitive either way and carries the decision in its parameters
-    (``native``, ``reason``: the lowering runs the XLA reference when not
-    native, and :func:`jaxslices.kernels.explain` reads them there)."""
-    reason = _why_not(arrays, dtypes, tables)
-    return Decision(op, reason is None, reason or "")
+    gpu: bool = True,
+) -> str:
+    """Why an operation on these arrays takes the XLA path (``""``: native).
 
-
-def _why_not(
-    arrays: tuple[Any, ...], dtypes: tuple[Any, ...], tables: tuple[Any, ...] = ()
-) -> str | None:
+    Native when: the kernels are enabled and load (built on first use; a
+    failure warns once), JAX's default platform is the CPU, or a GPU inside
+    :func:`gpu_kernels` for an operation with a GPU kernel (``gpu``) whose
+    operands the Pallas kernels take (:func:`_pallas.unsupported`, the one
+    GPU predicate, which the GPU lowering applies too); every float array
+    among ``arrays`` has a dtype in ``dtypes`` and every one among
+    ``tables`` (a table, the rows of its gradient or update, the parameters
+    a rule reads) one of :data:`TABLE_DTYPES`; none is batched by
+    ``jax.vmap`` or laid out over a mesh by ``jit``.
+    """
     if not _enabled():
         return "the native kernels are off (JAXSLICES_NATIVE=0 or kernels.disabled())"
     if not _jax_compat.AVAILABLE["ffi_primitive"]:
         return "this JAX lacks the primitive API the kernels are called through"
     platform = jax.default_backend()
     on_gpu = platform in ("gpu", "cuda", "rocm")
+    if on_gpu and not gpu:
+        return f"the platform is {platform}: this operation has no GPU kernel"
     if on_gpu and not _GPU_ON.value:
         return (
             f"the platform is {platform}: the Pallas GPU kernels are opt-in "
             "until measured on a GPU (jaxslices.kernels.gpu_kernels())"
         )
-    if on_gpu and not _jax_compat.AVAILABLE["pallas_gpu"]:
-        return f"the platform is {platform}: this JAX lacks Pallas's GPU backend"
     if platform != "cpu" and not on_gpu:
         return f"the platform is {platform}: the native kernels are CPU and GPU only"
-    table_dtypes = dtypes if on_gpu else TABLE_DTYPES
     checks = [(x, dtypes, False) for x in arrays]
-    checks += [(x, table_dtypes, True) for x in tables]
+    checks += [(x, dtypes if on_gpu else TABLE_DTYPES, True) for x in tables]
     for x, allowed, is_table in checks:
         if x is None:
             continue
@@ -267,20 +267,8 @@ def _why_not(
                     "(the kernels have no partitioning rule; shard_map runs them "
                     "per device)"
                 )
-        inexact = jnp.issubdtype(dtype, jnp.inexact)
-        if on_gpu and inexact and x.ndim >= 2 and not _power_of_two(_width(x)):
-            return (
-                f"rows of {_width(x)} floats (the Pallas GPU "
-                "kernels take a power-of-two row width)"
-            )
-    if not on_gpu and not _build.load():
+    if on_gpu:
+        return _pallas.unsupported(*(x for x, _, _ in checks if x is not None)) or ""
+    if not _build.load():
         return f"the kernels are unavailable: {_build.reason()}"
-    return None
-
-
-def _width(x: Any) -> int:
-    return int(np.prod(x.shape[1:]))
-
-
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
+    return ""

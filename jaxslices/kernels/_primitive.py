@@ -16,11 +16,19 @@ device or ``shard_map``; float32 rows of a power-of-two width), and to the
 reference otherwise. A TPU (Mosaic) kernel would be one more lowering rule
 here: this is the seam.
 
-The FFI boundary is typed (``csrc/common.h``): each kernel is registered once
-per ids dtype (``<target>_s32``, ``<target>_s64``), and its attributes are
-passed with the types the handler binds (``np.bool_`` for ``bool``,
-``np.int32`` for the rule enum, ``np.int64`` for sizes), so the FFI rejects a
-mismatch instead of reinterpreting it.
+Every op is bound with the ``reason`` its caller got from
+:func:`jaxslices.kernels._path.decide` when it was traced (``""``: the
+kernel may run): a reason sends the lowering to the reference on every
+platform, and :func:`jaxslices.kernels.explain` reads it from the op's
+equation. :data:`OPS` holds every op by name (``explain`` finds them there).
+
+The FFI boundary is typed (``csrc/common.h``): a kernel that takes ids is
+registered once per ids dtype (``<target>_s32``, ``<target>_s64``; one that
+takes none, once: ``<target>``), and its attributes are passed with the
+types the handler binds (``np.bool_`` for ``bool``, ``np.int32`` for the
+rule enum, ``np.int64`` for sizes), so the FFI rejects a mismatch instead of
+reinterpreting it. Only the kernels that share work between threads take
+the thread setting (``THREAD_ATTRS``).
 """
 
 from __future__ import annotations
@@ -35,16 +43,20 @@ import numpy as np
 from .. import _jax_compat
 from . import _build, _pallas, _path, _threads
 
-# The attributes every kernel takes besides its own: the threads it may use
-# and the batch size below which it uses one (kernels._threads).
+# The attributes of a kernel that shares its work between threads: the
+# threads it may use and the batch size below which it uses one
+# (kernels._threads).
 THREAD_ATTRS = {"threads": np.int64, "min_slots": np.int64}
 
 # The ids dtypes the kernels are registered for, and their target suffixes.
 ID_SUFFIXES = {np.dtype(np.int32): "s32", np.dtype(np.int64): "s64"}
 
 
-def target_name(target: str, ids_dtype: Any) -> str:
-    """The FFI target of kernel ``target`` for ids of ``ids_dtype``."""
+def target_name(target: str, ids_dtype: Any = None) -> str:
+    """The FFI target of kernel ``target`` for ids of ``ids_dtype`` (``None``:
+    a kernel that takes no ids, registered once)."""
+    if ids_dtype is None:
+        return target
     return f"{target}_{ID_SUFFIXES[np.dtype(ids_dtype)]}"
 
 
@@ -58,10 +70,8 @@ def check_ids_dtype(ids: Any, where: str) -> None:
         )
 
 
-def _decided_native(params: dict[str, Any]) -> bool:
-    """An op bound with :func:`_path.decide`'s decision (``native``) lowers
-    to its XLA reference when the decision was the XLA path."""
-    return bool(params.get("native", True))
+# Every native op, by primitive name (kernels/_ops.py, managed/_ops.py).
+OPS: dict[str, NativeOp] = {}
 
 
 class NativeOp:
@@ -72,9 +82,11 @@ class NativeOp:
       reference: ``(*operands, **params) -> list of outputs``, in jax.numpy.
       abstract: ``(*avals, **params) -> list of output avals``.
       aliases: operand index -> output index written in place.
-      attrs: the kernel's FFI attributes: param name -> numpy scalar type
-        (``THREAD_ATTRS`` added).
-      ids_operand: the index of the ids operand (it picks the target).
+      attrs: the kernel's FFI attributes: param name -> numpy scalar type.
+      ids_operand: the index of the ids operand (its dtype picks the
+        target), or ``None`` for a kernel that takes no ids.
+      threads: the kernel shares its work between threads (it takes
+        ``THREAD_ATTRS``).
       jvp: a JVP rule of the primitive (default: the reference's).
       gpu: the op's Pallas GPU kernel, with the reference's signature
         (``_pallas.py``; ``None``: the reference on GPUs too).
@@ -88,15 +100,17 @@ class NativeOp:
         *,
         aliases: dict[int, int],
         attrs: dict[str, type],
-        ids_operand: int,
+        ids_operand: int | None,
+        threads: bool = True,
         jvp: Callable[..., Any] | None = None,
         gpu: Callable[..., list[jax.Array]] | None = None,
     ):
         self.name, self.target = name, name
         self.reference, self.aliases = reference, aliases
-        # Every kernel also takes the thread setting, read when it is lowered.
-        self.attrs = {**attrs, **THREAD_ATTRS}
+        # The thread setting is read when a step is lowered.
+        self.attrs = {**attrs, **(THREAD_ATTRS if threads else {})}
         self.ids_operand, self.gpu = ids_operand, gpu
+        OPS[name] = self
         if not _jax_compat.AVAILABLE["ffi_primitive"]:  # pragma: no cover
             self.prim = None
             return
@@ -116,8 +130,10 @@ class NativeOp:
         _jax_compat.primitive_jvps[p] = jvp or self._jvp
         self.prim = p
 
-    def bind(self, *args: Any, **params: Any) -> list[jax.Array]:
-        return self.prim.bind(*args, **params)
+    def bind(self, *args: Any, reason: str = "", **params: Any) -> list[jax.Array]:
+        """The op on ``args``; ``reason`` (from ``_path.decide``): why its
+        reference runs (``""``: the kernel may run)."""
+        return self.prim.bind(*args, reason=reason, **params)
 
     def _reference(self, *args: Any, **params: Any) -> list[jax.Array]:
         return self.reference(*args, **params)
@@ -136,35 +152,38 @@ class NativeOp:
         return self._jitted(tuple(sorted(params.items())))(*args)
 
     def _cpu_lowering(self, ctx: Any, *operands: Any, **params: Any) -> Any:
+        # The caller's decision; the switch (part of jit's cache keys, so a
+        # direct op call inside ``disabled()`` lowers to its reference too);
+        # one device or inside shard_map; the kernels loaded.
         per_device = _jax_compat.lowering_is_per_device(ctx)
-        # The switch is part of jit's cache keys (kernels._path), so a direct
-        # op call inside ``disabled()`` lowers to its reference too.
-        native = _path._enabled() and per_device and _decided_native(params)
-        if params.get("fallback") is None and native and _build.load():
-            threads, min_slots = _threads.thread_setting()
-            values = {**params, "threads": threads, "min_slots": min_slots}
+        native = not params["reason"] and _path._enabled() and per_device
+        if native and _build.load():
+            values = dict(params)
+            if "threads" in self.attrs:
+                values["threads"], values["min_slots"] = _threads.thread_setting()
             attrs = {k: kind(values[k]) for k, kind in self.attrs.items()}
-            ids_dtype = ctx.avals_in[self.ids_operand].dtype
+            ids = None if self.ids_operand is None else ctx.avals_in[self.ids_operand]
             rule = jax.ffi.ffi_lowering(
-                target_name(self.target, ids_dtype),
+                target_name(self.target, None if ids is None else ids.dtype),
                 operand_output_aliases=dict(self.aliases),
             )
             return rule(ctx, *operands, **attrs)
-        ref = _jax_compat.mlir.lower_fun(self._reference, multiple_results=True)
-        return ref(ctx, *operands, **params)
+        return self._reference_lowering(ctx, *operands, **params)
 
     def _gpu_lowering(self, ctx: Any, *operands: Any, **params: Any) -> Any:
-        # Opted in (a user context, part of jit's cache keys, as `disabled`),
-        # on one device or inside shard_map, operands the kernels take.
+        # The caller's decision (opted in: a user context, part of jit's cache
+        # keys), on one device or inside shard_map, operands the kernels take.
         pallas = (
-            params.get("fallback") is None
-            and _decided_native(params)
+            not params["reason"]
             and _path._gpu_enabled()
             and _jax_compat.lowering_is_per_device(ctx)
             and _pallas.unsupported(*ctx.avals_in) is None
         )
         if pallas:
             return _pallas.lower(self.gpu)(ctx, *operands, **params)
+        return self._reference_lowering(ctx, *operands, **params)
+
+    def _reference_lowering(self, ctx: Any, *operands: Any, **params: Any) -> Any:
         ref = _jax_compat.mlir.lower_fun(self._reference, multiple_results=True)
         return ref(ctx, *operands, **params)
 

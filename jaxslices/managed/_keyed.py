@@ -188,8 +188,7 @@ def _buffer_rows(
     become the buffer's row count)."""
     at = layout.placement(table)
     buffer = layout.buffer(at.buffer)
-    q = slots // at.chunk
-    rows = at.base + q * at.stride + (slots - q * at.chunk)
+    rows = at.rows_of(slots)
     return jnp.where(slots < num_slots, rows, buffer.rows).astype(jnp.int32)
 
 

@@ -35,26 +35,16 @@ checkpointed with it), as TorchRec's ``MCHManagedCollisionModule`` does:
   table fresh values and their optimizer state its initial values, before
   the step reads the table.
 
-Why a sorted copy and binary search, not open addressing with a fixed number
-of probes: a probe sequence can run out while free slots remain, so an id
-would fall back to the default (or collide) with room in the table; the
-sorted copy finds a slot for every id while one is free, deterministically.
-
-Costs per ``remap`` of ``N`` ids: a sort of the ``N`` ids' low words (one
-array; duplicates are admitted once; a batch with two ids of one low word and
-different high words sorts the pairs instead), ``N`` binary searches, and, in
-steps that admit, a merge of the admitted ids into the sorted copy: ``O(S)``
-element-wise work and scatters, no sort (a ``lax.cond``: skipped in steps that
-admit nothing). Eviction finds the lowest scores by three binary searches on
-the score values (``O(S)`` counts each, no sort), compacts the small copy of
-recent admissions (``O(K)``) and marks the evicted ids' entries of the main
-sorted copy as stale (a binary search each; *lazy deletion*: a stale entry
-keeps its id, so the copy stays sorted, and slot ``S``, so lookups skip it),
-leaving them in place until the next merge into the main copy, which drops
-them. Measured figures: ``docs/managed.md``.
-
 The state's counters (``admissions``, ``evictions``, ``defaulted``, per-slot
 ``counts``, ``step``) are ``int32`` and saturate at ``2**31 - 1``.
+
+This module is the policy (:class:`ManagedCollision`: its configuration,
+its state's identity, when eviction is due); the state is
+:mod:`jaxslices.managed._state`, the algorithm (a sorted copy of the
+tracked ids and binary search; its costs) is its XLA reference,
+:mod:`jaxslices.managed._reference`, and admission and eviction are bound
+as native ops (a C++ kernel on one CPU device, the reference elsewhere) in
+:mod:`jaxslices.managed._ops`.
 """
 
 from __future__ import annotations
@@ -63,111 +53,23 @@ import dataclasses
 import functools
 import hashlib
 import math
-from typing import Any, Literal, NamedTuple
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import _errors
-from .._jax_compat import native_out_aval
-from ..kernels._primitive import NativeOp
+from . import _ops
 from ._raw import RawIds, as_raw_ids
+from ._reference import INT32_MAX, rebuild_search, saturating_add
+from ._state import SLOT_TABLE, RemapState
 
 __all__ = ["ManagedCollision", "RemapState"]
 
 Policy = Literal["lfu", "lru"]
 _POLICIES = ("lfu", "lru")
-_INT32_MAX = np.iinfo(np.int32).max
-
-
-class RemapState(NamedTuple):
-    """The remap state of a :class:`ManagedCollision` table (a pytree of arrays).
-
-    ``S`` is the number of slots (rows of the table). A slot ``s`` is free when
-    ``occupied[s]`` is false; its other per-slot fields are then zero.
-
-    Attributes:
-      table_key: ``uint32[2]``, the identity of the table the state belongs to
-        (a hash of its name, slots and policy); a state of another table is
-        refused.
-      ids_hi, ids_lo: ``uint32[S]``, the raw id tracked in each slot.
-      occupied: ``bool[S]``.
-      counts: ``int32[S]``, lookups of the slot's id since its admission.
-      last_seen: ``int32[S]``, the ``step`` of its last lookup.
-      sorted_hi, sorted_lo, sorted_slots: ``[S]``, the *main* sorted copy:
-        tracked ids sorted by low word, then high word, and their slots, in
-        the first ``occupancy - num_recent + num_stale`` entries (zeros after
-        them). ``num_stale`` of them are *stale*: ids evicted since the
-        last merge into this copy, kept in place (so the copy stays sorted
-        and an eviction does not move ``O(S)`` entries) with slot ``S``; a
-        lookup that finds one reads it as absent, and the next merge into
-        the main copy drops them.
-      recent_hi, recent_lo, recent_slots: ``[K]`` (``K`` the table's
-        ``recent_size``), the ids admitted since the last flush, sorted the
-        same way, in the first ``num_recent`` entries (zeros after them).
-        A lookup searches both copies; admissions go into this small one
-        (``O(K)``), which is merged into the main copy (``O(S)``) only when
-        a batch might not fit in it.
-      num_recent: ``int32``, the entries of the recent copy.
-      num_stale: ``int32``, the stale entries of the main copy.
-      free_slots: ``int32[S]``, a stack: the free slots are
-        ``free_slots[:num_free]``, the next one admitted is the last.
-      num_free: ``int32``, free slots.
-      step: ``int32``, calls of ``remap`` so far.
-      admissions, evictions: ``int32``, ids admitted and evicted so far.
-      defaulted: ``int32``, looked-up ids served by the default (no row) so
-        far, every occurrence counted.
-    """
-
-    table_key: jax.Array
-    ids_hi: jax.Array
-    ids_lo: jax.Array
-    occupied: jax.Array
-    counts: jax.Array
-    last_seen: jax.Array
-    sorted_hi: jax.Array
-    sorted_lo: jax.Array
-    sorted_slots: jax.Array
-    recent_hi: jax.Array
-    recent_lo: jax.Array
-    recent_slots: jax.Array
-    num_recent: jax.Array
-    num_stale: jax.Array
-    free_slots: jax.Array
-    num_free: jax.Array
-    step: jax.Array
-    admissions: jax.Array
-    evictions: jax.Array
-    defaulted: jax.Array
-
-    @property
-    def num_slots(self) -> int:
-        """``S`` (static)."""
-        return int(self.occupied.shape[0])
-
-    @property
-    def occupancy(self) -> jax.Array:
-        """Tracked ids (occupied slots)."""
-        return self.num_slots - self.num_free
-
-    def stats(self) -> dict[str, jax.Array]:
-        """``{occupancy, admissions, evictions, defaulted, step}`` as scalars.
-
-        Example:
-          >>> import jaxslices as js
-          >>> mc = js.ManagedCollision("items", num_slots=4)
-          >>> rows, state, _ = mc.remap(mc.init(), [7, 7, 9])
-          >>> {k: int(v) for k, v in state.stats().items()}
-          {'occupancy': 2, 'admissions': 2, 'evictions': 0, 'defaulted': 0, 'step': 1}
-        """
-        return {
-            "occupancy": self.occupancy,
-            "admissions": self.admissions,
-            "evictions": self.evictions,
-            "defaulted": self.defaulted,
-            "step": self.step,
-        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,9 +123,9 @@ class ManagedCollision:
         where = f"ManagedCollision({self.name!r})"
         if not isinstance(self.name, str):
             raise TypeError(f"{where}: `name` must be a str, got {self.name!r}.")
-        if not _is_int(self.num_slots) or not 1 <= self.num_slots <= _INT32_MAX - 1:
+        if not _is_int(self.num_slots) or not 1 <= self.num_slots <= INT32_MAX - 1:
             raise ValueError(
-                f"{where}: `num_slots` must be an int in [1, {_INT32_MAX - 1}], "
+                f"{where}: `num_slots` must be an int in [1, {INT32_MAX - 1}], "
                 f"got {self.num_slots!r}."
             )
         if self.policy not in _POLICIES:
@@ -410,27 +312,65 @@ class ManagedCollision:
         state = self.check_state(state, f"ManagedCollision({self.name!r}).evict")
         return _evict(self, state)
 
+    def restore(self, saved: Any) -> RemapState:
+        """A state of this table from a saved one: its slot table, the search
+        structure rebuilt.
 
-LAYER_COMBINERS = ("mean", "sum", "sqrtn")
+        The fields of a :class:`RemapState` are the *slot table* (which raw
+        id owns which slot, the counters, the free slots) and a *search
+        structure* (sorted copies of the tracked ids) made from it. Only the
+        slot table says anything; the search structure is rebuilt here (a
+        sort of the slots), so a state saved by a version whose search
+        structure differs (more, fewer or other fields) is read by this one:
+        give it what the checkpoint holds. Remapping from the restored state
+        gives the same rows, admissions and evictions as from the saved one.
+
+        Args:
+          saved: a :class:`RemapState`, or a mapping or object with at least
+            the slot table's fields (``table_key``, ``ids_hi``, ``ids_lo``,
+            ``occupied``, ``counts``, ``last_seen``, ``free_slots``,
+            ``num_free``, ``step``, ``admissions``, ``evictions``,
+            ``defaulted``), e.g. the dictionary Orbax restores.
+
+        Raises:
+          ValueError: a field is missing or has another shape or dtype than
+            this table's (or the state is another table's).
+
+        Example:
+          >>> import jaxslices as js
+          >>> mc = js.ManagedCollision("t", num_slots=4)
+          >>> rows, state, _ = mc.remap(mc.init(), [7, 9])
+          >>> saved = {k: v for k, v in state._asdict().items() if "sorted" not in k}
+          >>> rows, _, _ = mc.remap(mc.restore(saved), [9, 7, 8])
+          >>> rows.tolist()
+          [1, 0, 2]
+        """
+        where = f"ManagedCollision({self.name!r}).restore"
+        if not isinstance(saved, Mapping):  # a RemapState, an older layout's
+            saved = {f: getattr(saved, f, None) for f in SLOT_TABLE}
+        fresh = self.init()
+        table = {}
+        for f in SLOT_TABLE:
+            x = saved.get(f)
+            want = getattr(fresh, f)
+            if x is None:
+                raise ValueError(
+                    f"{where}: the saved state has no `{f}`; the slot table "
+                    f"needs {', '.join(SLOT_TABLE)}."
+                )
+            x = jnp.asarray(x)
+            if x.shape != want.shape or x.dtype != want.dtype:
+                raise ValueError(
+                    f"{where}: the saved `{f}` is {x.dtype}{list(x.shape)}, this "
+                    f"table's {want.dtype}{list(want.shape)}. Restore a state "
+                    "into the table that saved it."
+                )
+            table[f] = x
+        state = self.check_state(fresh._replace(**table), where)
+        return _rebuild_search(state)
 
 
-def check_layer(where: str, manager: Any, combiner: str) -> None:
-    """A managed bag layer's arguments (the NNX, Linen and Equinox layers).
-
-    Example:
-      >>> import jaxslices as js
-      >>> from jaxslices.managed._table import check_layer
-      >>> check_layer("Layer", js.ManagedCollision("t", num_slots=4), "sum")
-    """
-    if not isinstance(manager, ManagedCollision):
-        raise TypeError(
-            f"{where}: `manager` must be a jaxslices.ManagedCollision, got "
-            f"{type(manager).__name__}."
-        )
-    if combiner not in LAYER_COMBINERS:
-        raise ValueError(
-            f"{where}: `combiner` must be 'mean', 'sum' or 'sqrtn', got {combiner!r}."
-        )
+_rebuild_search = jax.jit(rebuild_search)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -438,7 +378,7 @@ def _remap(
     mc: ManagedCollision, state: RemapState, raw: RawIds, valid: jax.Array
 ) -> tuple[jax.Array, RemapState, jax.Array]:
     S, E = mc.num_slots, mc.evict_count
-    step = _saturating_add(state.step, 1)
+    step = saturating_add(state.step, 1)
     state = state._replace(step=step)
     if mc.evict_every is None:
         evicted = jnp.full((E,), S, jnp.int32)
@@ -450,8 +390,12 @@ def _remap(
             lambda s: (s, jnp.full((E,), S, jnp.int32)),
             state,
         )
-    rows, state = _lookup_and_admit(
-        state, raw.hi.reshape(-1), raw.lo.reshape(-1), valid.reshape(-1)
+    rows, state = _ops.admit(
+        state,
+        raw.hi.reshape(-1),
+        raw.lo.reshape(-1),
+        valid.reshape(-1),
+        label=f"ManagedCollision({mc.name!r}).remap: admission",
     )
     return rows.reshape(raw.shape), state, evicted
 
@@ -459,106 +403,16 @@ def _remap(
 @functools.partial(jax.jit, static_argnums=0)
 def _evict(mc: ManagedCollision, state: RemapState) -> tuple[RemapState, jax.Array]:
     """Evict now; the native kernel on one CPU device (bitwise equal)."""
-    outs = _EVICT_OP.bind(
-        *(getattr(state, f) for f in _EVICT_FIELDS),
-        _scalars(state),
-        lfu=mc.policy == "lfu",
+    return _ops.evict(
+        state,
+        policy=mc.policy,
         evict_count=mc.evict_count,
-        fallback=None,
+        label=f"ManagedCollision({mc.name!r}): eviction",
     )
-    evicted, *arrays, scalars = outs
-    return _with_scalars(
-        state._replace(**dict(zip(_EVICT_FIELDS, arrays, strict=True))), scalars
-    ), evicted
-
-
-def _evict_xla(
-    state: RemapState, policy: str, evict_count: int
-) -> tuple[RemapState, jax.Array]:
-    S, E = state.num_slots, evict_count
-    need = jnp.maximum(E - state.num_free, 0)
-    if policy == "lfu":
-        first, then = state.counts, state.last_seen
-    else:
-        first, then = state.last_seen, state.counts
-    chosen = _lowest(first, then, state.occupied, need)
-    # the evicted slots in increasing order, unused entries S
-    evicted = jnp.nonzero(chosen, size=E, fill_value=S)[0].astype(jnp.int32)
-    rank = jnp.arange(E, dtype=jnp.int32)
-    # the evicted ids (their main-copy entries are marked stale below)
-    gone = (
-        evicted,
-        state.ids_hi.at[evicted].get(mode="fill", fill_value=0),
-        state.ids_lo.at[evicted].get(mode="fill", fill_value=0),
-    )
-    occupied = state.occupied.at[evicted].set(False, mode="drop")
-    zero_u, zero_i = jnp.uint32(0), jnp.int32(0)
-    # push onto the free stack, in slot order
-    push_at = jnp.where(rank < need, state.num_free + rank, S)
-    state = state._replace(
-        occupied=occupied,
-        ids_hi=state.ids_hi.at[evicted].set(zero_u, mode="drop"),
-        ids_lo=state.ids_lo.at[evicted].set(zero_u, mode="drop"),
-        counts=state.counts.at[evicted].set(zero_i, mode="drop"),
-        last_seen=state.last_seen.at[evicted].set(zero_i, mode="drop"),
-        free_slots=state.free_slots.at[push_at].set(evicted, mode="drop"),
-        num_free=state.num_free + need,
-        evictions=_saturating_add(state.evictions, need),
-    )
-    return jax.lax.cond(need > 0, _drop_evicted, lambda *a: a[0], state, *gone), evicted
-
-
-def _kth_smallest(x: jax.Array, k: jax.Array, candidate: jax.Array) -> jax.Array:
-    """The ``k``-th smallest of the candidates of ``x`` (``1 <= k <=`` their
-    number; non-negative ``int32``).
-
-    A binary search on the value between the candidates' least and greatest:
-    ``log2(range) + 2`` passes of a count over ``x``, ``O(S)`` each, no sort
-    (a sort of ``2**20`` slots costs about 1 s on XLA's CPU).
-    """
-    low = jnp.min(jnp.where(candidate, x, _INT32_MAX))
-    high = jnp.max(jnp.where(candidate, x, 0))
-
-    def body(bounds):
-        low, high = bounds
-        mid = low + (high - low) // 2
-        enough = jnp.sum(candidate & (x <= mid), dtype=jnp.int32) >= k
-        return jnp.where(enough, low, mid + 1), jnp.where(enough, mid, high)
-
-    low, _ = jax.lax.while_loop(lambda b: b[0] < b[1], body, (low, high))
-    return low
-
-
-def _lowest(
-    first: jax.Array, then: jax.Array, occupied: jax.Array, need: jax.Array
-) -> jax.Array:
-    """The ``need`` occupied slots lowest by ``(first, then, slot)``, as a mask.
-
-    Exactly the first ``need`` of a sort by that key, found with three
-    value searches (:func:`_kth_smallest`): below the threshold of ``first``
-    every slot goes; at it, the lowest by ``then``; at both, the lowest slots.
-    """
-    S = occupied.shape[0]
-    k = jnp.maximum(need, 1)
-    t1 = _kth_smallest(first, k, occupied)
-    below1, at1 = occupied & (first < t1), occupied & (first == t1)
-    k2 = k - jnp.sum(below1, dtype=jnp.int32)
-    t2 = _kth_smallest(then, k2, at1)
-    below2, at2 = at1 & (then < t2), at1 & (then == t2)
-    k3 = k2 - jnp.sum(below2, dtype=jnp.int32)
-    slot = jnp.arange(S, dtype=jnp.int32)
-    t3 = _kth_smallest(slot, k3, at2)
-    chosen = below1 | below2 | (at2 & (slot <= t3))
-    return chosen & (need > 0)
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _saturating_add(a: jax.Array, b: Any) -> jax.Array:
-    b = jnp.asarray(b, jnp.int32)
-    return jnp.where(a > _INT32_MAX - b, _INT32_MAX, a + b)
 
 
 def _mask(mask: Any, shape: tuple[int, ...], where: str) -> jax.Array:
@@ -571,415 +425,3 @@ def _mask(mask: Any, shape: tuple[int, ...], where: str) -> jax.Array:
             f"{m.dtype}{list(m.shape)}."
         )
     return m
-
-
-def _less(al, ah, bl, bh):
-    """``(al, ah) < (bl, bh)``: ids ordered by their low word, then high."""
-    return (al < bl) | ((al == bl) & (ah < bh))
-
-
-def _search(
-    copy: tuple[jax.Array, jax.Array, jax.Array],
-    n: jax.Array,
-    hi: jax.Array,
-    lo: jax.Array,
-    missing: int,
-) -> tuple[jax.Array, jax.Array]:
-    """Each id's slot in a sorted copy of ``n`` entries (``missing`` if absent)
-    and its place there (the first entry not below it)."""
-    sorted_hi, sorted_lo, sorted_slots = copy
-    L = sorted_hi.shape[0]
-    low = jnp.zeros(hi.shape, jnp.int32)
-    high = jnp.broadcast_to(n, hi.shape).astype(jnp.int32)
-
-    def body(_, bounds):
-        low, high = bounds
-        mid = (low + high) // 2
-        m = jnp.minimum(mid, L - 1)
-        go_right = (low < high) & _less(sorted_lo[m], sorted_hi[m], lo, hi)
-        return (
-            jnp.where(go_right, mid + 1, low),
-            jnp.where(go_right | (low >= high), high, mid),
-        )
-
-    low, _ = jax.lax.fori_loop(0, math.ceil(math.log2(L + 1)), body, (low, high))
-    at = jnp.minimum(low, L - 1)
-    hit = (low < n) & (sorted_hi[at] == hi) & (sorted_lo[at] == lo)
-    return jnp.where(hit, sorted_slots[at], missing), low
-
-
-def _main(state: RemapState) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return state.sorted_hi, state.sorted_lo, state.sorted_slots
-
-
-def _recent(state: RemapState) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return state.recent_hi, state.recent_lo, state.recent_slots
-
-
-def _num_main(state: RemapState) -> jax.Array:
-    """The entries of the main sorted copy, stale ones included."""
-    return state.num_slots - state.num_free - state.num_recent + state.num_stale
-
-
-def _flush(state: RemapState) -> RemapState:
-    """The main copy without its stale entries, then the recent copy merged
-    into it (``O(S)``) and emptied."""
-    S, K = state.num_slots, state.recent_slots.shape[0]
-    main, _ = _compact_sorted(_main(state), _num_main(state), state.sorted_slots < S)
-    state = state._replace(
-        sorted_hi=main[0],
-        sorted_lo=main[1],
-        sorted_slots=main[2],
-        num_stale=jnp.zeros((), jnp.int32),
-    )
-    n_main = _num_main(state)
-    _, place = _search(_main(state), n_main, state.recent_hi, state.recent_lo, S)
-    rank = jnp.arange(K, dtype=jnp.int32)
-    slots = jnp.where(rank < state.num_recent, state.recent_slots, S)
-    merged = _merge_sorted(
-        _main(state), n_main, (state.recent_hi, state.recent_lo, slots, place, rank), S
-    )
-    zeros_u, zeros_i = jnp.zeros((K,), jnp.uint32), jnp.zeros((K,), jnp.int32)
-    return state._replace(
-        sorted_hi=merged[0],
-        sorted_lo=merged[1],
-        sorted_slots=merged[2],
-        recent_hi=zeros_u,
-        recent_lo=zeros_u,
-        recent_slots=zeros_i,
-        num_recent=jnp.zeros((), jnp.int32),
-    )
-
-
-def _groups_by_low_word(
-    hi: jax.Array, lo: jax.Array, valid: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Each id's group (the first place of its low word among the batch's
-    sorted low words) and whether two valid ids of one group differ.
-
-    A sort of one array: an order of magnitude cheaper on XLA's CPU than a
-    sort with the ids' positions as a second operand. Two ids of one low word
-    and different high words (rare for hashed 64-bit ids) send the batch to
-    the exact path, :func:`_admit_exact`.
-    """
-    N = lo.shape[0]
-    group = jnp.searchsorted(jax.lax.sort(lo), lo, side="left").astype(jnp.int32)
-    at = jnp.where(valid, group, N)
-    top = jnp.full((N,), 0, jnp.uint32).at[at].max(hi, mode="drop")
-    bottom = jnp.full((N,), 0xFFFFFFFF, jnp.uint32).at[at].min(hi, mode="drop")
-    mixed = jnp.any(valid & (top[group] != bottom[group]))
-    return group, mixed
-
-
-def _admit_fast(group, hi, lo, valid, found, place, num_free, free_slots):
-    """Admission when a group is one id: per id, in batch order."""
-    N, S = hi.shape[0], free_slots.shape[0]
-    pos = jnp.arange(N, dtype=jnp.int32)
-    at = jnp.where(valid, group, N)
-    first_pos = jnp.full((N,), N, jnp.int32).at[at].min(pos, mode="drop")
-    first = valid & (first_pos[group] == pos)
-    new = first & (found == S)
-    # rank of the new ids in the order of their low words (their groups)
-    flags = jnp.zeros((N,), jnp.int32).at[jnp.where(new, group, N)].set(1, mode="drop")
-    rank = (jnp.cumsum(flags, dtype=jnp.int32) - 1)[group]
-    admitted = new & (rank < num_free)
-    take = jnp.clip(num_free - 1 - rank, 0, S - 1)
-    assigned = jnp.where(admitted, free_slots[take], S)
-    slot_of_group = (
-        jnp.full((N,), S, jnp.int32)
-        .at[jnp.where(admitted, group, N)]
-        .set(assigned, mode="drop")
-    )
-    rows = jnp.where(valid, jnp.where(found < S, found, slot_of_group[group]), S)
-    return rows, hi, lo, assigned, place, rank
-
-
-def _admit_exact(group, hi, lo, valid, found, place, num_free, free_slots):
-    """Admission by a sort of the batch by (low, high) word: any ids."""
-    del group
-    N, S = hi.shape[0], free_slots.shape[0]
-    pos = jnp.arange(N, dtype=jnp.int32)
-    invalid = (~valid).astype(jnp.int32)
-    inv_s, lo_s, hi_s, perm = jax.lax.sort((invalid, lo, hi, pos), num_keys=3)
-    valid_s = inv_s == 0
-    first = valid_s & jnp.concatenate(
-        [jnp.ones((1,), bool), (hi_s[1:] != hi_s[:-1]) | (lo_s[1:] != lo_s[:-1])]
-    )
-    found, place = found[perm], place[perm]
-    new = first & (found == S)
-    rank = jnp.cumsum(new, dtype=jnp.int32) - 1
-    admitted = new & (rank < num_free)
-    take = jnp.clip(num_free - 1 - rank, 0, S - 1)
-    assigned = jnp.where(admitted, free_slots[take], S)
-    slot_first = jnp.where(found < S, found, assigned)
-    run = jnp.cumsum(first, dtype=jnp.int32) - 1
-    run_slot = (
-        jnp.full((N,), S, jnp.int32)
-        .at[jnp.where(first, run, N)]
-        .set(slot_first, mode="drop")
-    )
-    slot_s = jnp.where(valid_s, run_slot[jnp.maximum(run, 0)], S)
-    rows = (
-        jnp.zeros((N,), jnp.int32)
-        .at[perm]
-        .set(slot_s, mode="drop", unique_indices=True)
-    )
-    return rows, hi_s, lo_s, assigned, place, rank
-
-
-def _lookup_and_admit_xla(
-    state: RemapState, hi: jax.Array, lo: jax.Array, valid: jax.Array
-) -> tuple[jax.Array, RemapState]:
-    S, K = state.num_slots, state.recent_slots.shape[0]
-    N = hi.shape[0]
-    if N == 0:
-        return jnp.zeros((0,), jnp.int32), state
-    # Admissions go to the recent copy when the whole batch would fit there
-    # (static: N <= K), after a flush if it might not; else to the main copy.
-    # A flush also drops the stale entries of the main copy: admissions into
-    # it (N > K) need them gone first.
-    into_recent = N <= K
-    if into_recent:
-        full = state.num_recent + N > K
-    else:
-        full = (state.num_recent > 0) | (state.num_stale > 0)
-    state = jax.lax.cond(full, _flush, lambda s: s, state)
-    found, place = _search(_main(state), _num_main(state), hi, lo, S)
-    if into_recent:
-        in_recent, place = _search(_recent(state), state.num_recent, hi, lo, S)
-        found = jnp.where(in_recent < S, in_recent, found)
-    group, mixed = _groups_by_low_word(hi, lo, valid)
-    rows, hi_s, lo_s, assigned, place, rank = jax.lax.cond(
-        mixed,
-        _admit_exact,
-        _admit_fast,
-        group, hi, lo, valid, found, place, state.num_free, state.free_slots,
-    )  # fmt: skip
-    admitted = assigned < S
-
-    n_admitted = jnp.sum(admitted, dtype=jnp.int32)
-    target = jnp.where(admitted, assigned, S)  # admitted ids' slots, else dropped
-    counts = state.counts.at[target].set(0, mode="drop")
-    before = counts.at[rows].get(mode="fill", fill_value=0)
-    counts = counts.at[rows].add(1, mode="drop")
-    wrapped = counts.at[rows].get(mode="fill", fill_value=0) < before
-    counts = counts.at[jnp.where(wrapped, rows, S)].set(_INT32_MAX, mode="drop")
-    new = (hi_s, lo_s, assigned, place, rank)
-    if into_recent:
-        copy, n_old = _recent(state), state.num_recent
-    else:
-        copy, n_old = _main(state), _num_main(state)
-    copy = jax.lax.cond(
-        n_admitted > 0,
-        lambda c: _merge_sorted(c, n_old, new, S),
-        lambda c: c,
-        copy,
-    )
-    fields = ("recent" if into_recent else "sorted") + "_{}"
-    state = state._replace(
-        ids_hi=state.ids_hi.at[target].set(hi_s, mode="drop"),
-        ids_lo=state.ids_lo.at[target].set(lo_s, mode="drop"),
-        occupied=state.occupied.at[target].set(True, mode="drop"),
-        counts=counts,
-        last_seen=state.last_seen.at[rows].set(state.step, mode="drop"),
-        num_free=state.num_free - n_admitted,
-        num_recent=state.num_recent + (n_admitted if into_recent else 0),
-        admissions=_saturating_add(state.admissions, n_admitted),
-        defaulted=_saturating_add(
-            state.defaulted, jnp.sum(valid & (rows == S), dtype=jnp.int32)
-        ),
-        **dict(zip(map(fields.format, ("hi", "lo", "slots")), copy, strict=True)),
-    )
-    return rows, state
-
-
-def _prefix_sum(x: jax.Array) -> jax.Array:
-    # associative_scan: 4x faster than jnp.cumsum on XLA's CPU (measured, 2**20)
-    return jax.lax.associative_scan(jnp.add, x)
-
-
-def _merge_sorted(
-    copy: tuple[jax.Array, jax.Array, jax.Array],
-    n_old: jax.Array,
-    new: tuple,
-    S: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Admitted ids merged into a sorted copy of ``n_old`` entries: O(L), no sort.
-
-    ``new``: ids, their slots (``S`` where not admitted), their insertion
-    places in the old copy and their ranks among the admitted. An old entry
-    ``j`` moves up by the number of admitted ids placed at or before it;
-    admitted id ``r`` goes to ``place + r``.
-    """
-    hi, lo, slots, place, rank = new
-    L = copy[0].shape[0]
-    admitted = slots < S
-    per_place = (
-        jnp.zeros((L + 1,), jnp.int32)
-        .at[jnp.where(admitted, place, L + 1)]
-        .add(1, mode="drop")
-    )
-    j = jnp.arange(L, dtype=jnp.int32)
-    old_to = jnp.where(j < n_old, j + _prefix_sum(per_place)[:L], L)
-    new_to = jnp.where(admitted, place + rank, L)
-
-    def merged(old: jax.Array, added: jax.Array) -> jax.Array:
-        out = jnp.zeros_like(old).at[old_to].set(old, mode="drop", unique_indices=True)
-        return out.at[new_to].set(added.astype(old.dtype), mode="drop")
-
-    return tuple(map(merged, copy, (hi, lo, slots)))
-
-
-def _compact_sorted(
-    copy: tuple[jax.Array, jax.Array, jax.Array],
-    n_old: jax.Array,
-    live: jax.Array,
-) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
-    """A sorted copy with only its ``live`` entries (``[L]``): O(L), no sort.
-
-    Returns the copy and its new number of entries.
-    """
-    L = copy[0].shape[0]
-    j = jnp.arange(L, dtype=jnp.int32)
-    keep = (j < n_old) & live
-    to = jnp.where(keep, _prefix_sum(keep.astype(jnp.int32)) - 1, L)
-
-    def compact(x: jax.Array) -> jax.Array:
-        return jnp.zeros_like(x).at[to].set(x, mode="drop", unique_indices=True)
-
-    return tuple(map(compact, copy)), jnp.sum(keep, dtype=jnp.int32)
-
-
-def _drop_evicted(
-    state: RemapState, evicted: jax.Array, hi: jax.Array, lo: jax.Array
-) -> RemapState:
-    """The evicted ids out of the sorted copies: the recent copy compacted
-    (``O(K)``), their entries of the main copy marked stale (slot ``S``; a
-    binary search each, ``O(E log S)``), not moved.
-
-    ``evicted``: the evicted slots (``S`` in unused entries) and their ids.
-    ``state`` is the state after the eviction's other updates (slots
-    freed); its main copy still holds the evicted ids, so its entries are
-    the count before them.
-    """
-    S = state.num_slots
-    K = state.recent_slots.shape[0]
-    recent_slots = state.recent_slots
-    in_recent = (jnp.arange(K) < state.num_recent) & state.occupied[recent_slots]
-    recent, num_recent = _compact_sorted(_recent(state), state.num_recent, in_recent)
-    n_evicted = jnp.sum(evicted < S, dtype=jnp.int32)
-    n_main = _num_main(state) + n_evicted
-    found, place = _search(_main(state), n_main, hi, lo, S)
-    stale = (evicted < S) & (found == evicted)
-    sorted_slots = state.sorted_slots.at[jnp.where(stale, place, S)].set(S, mode="drop")
-    return state._replace(
-        sorted_slots=sorted_slots,
-        recent_hi=recent[0],
-        recent_lo=recent[1],
-        recent_slots=recent[2],
-        num_recent=num_recent,
-        num_stale=state.num_stale + jnp.sum(stale, dtype=jnp.int32),
-    )
-
-
-# ------------------------------------------------- the native CPU kernels
-#
-# Admission and eviction are two native ops (jaxslices.kernels: a C++ kernel
-# on one CPU device, csrc/remap.cc, the functions above everywhere else, as
-# their reference): the same state bit for bit, updated in place.
-
-_SCALARS = (
-    "num_free", "num_recent", "step", "admissions", "defaulted", "evictions",
-    "num_stale",
-)  # fmt: skip
-_ADMIT_FIELDS = (
-    "ids_hi", "ids_lo", "occupied", "counts", "last_seen",
-    "sorted_hi", "sorted_lo", "sorted_slots", "recent_hi", "recent_lo", "recent_slots",
-)  # fmt: skip
-_EVICT_FIELDS = (*_ADMIT_FIELDS, "free_slots")
-
-
-def _scalars(state: RemapState) -> jax.Array:
-    return jnp.stack([jnp.asarray(getattr(state, f), jnp.int32) for f in _SCALARS])
-
-
-def _with_scalars(state: RemapState, scalars: jax.Array) -> RemapState:
-    return state._replace(**{f: scalars[i] for i, f in enumerate(_SCALARS)})
-
-
-def _as_state(arrays: dict[str, jax.Array], scalars: jax.Array) -> RemapState:
-    fields = dict.fromkeys(RemapState._fields)
-    fields.update(arrays, table_key=jnp.zeros((2,), jnp.uint32))
-    return _with_scalars(RemapState(**fields), scalars)
-
-
-def _admit_reference(hi, lo, valid, *arrays, **_):
-    *per_slot, free_slots, scalars = arrays
-    state = _as_state(
-        {**dict(zip(_ADMIT_FIELDS, per_slot, strict=True)), "free_slots": free_slots},
-        scalars,
-    )
-    rows, state = _lookup_and_admit_xla(state, hi, lo, valid)
-    return [rows, *(getattr(state, f) for f in _ADMIT_FIELDS), _scalars(state)]
-
-
-def _evict_reference(*arrays, lfu, evict_count, **_):
-    *per_slot, scalars = arrays
-    state = _as_state(dict(zip(_EVICT_FIELDS, per_slot, strict=True)), scalars)
-    state, evicted = _evict_xla(state, "lfu" if lfu else "lru", evict_count)
-    return [evicted, *(getattr(state, f) for f in _EVICT_FIELDS), _scalars(state)]
-
-
-def _admit_abstract(hi, lo, valid, *arrays, **_):
-    avals = (hi, lo, valid, *arrays)
-    per_slot = arrays[: len(_ADMIT_FIELDS)]
-    return [
-        native_out_aval(hi.shape, jnp.int32, avals),
-        *(native_out_aval(a.shape, a.dtype, avals) for a in per_slot),
-        native_out_aval(arrays[-1].shape, jnp.int32, avals),
-    ]
-
-
-def _evict_abstract(*arrays, evict_count, **_):
-    return [
-        native_out_aval((evict_count,), jnp.int32, arrays),
-        *(native_out_aval(a.shape, a.dtype, arrays) for a in arrays),
-    ]
-
-
-_ADMIT_OP = NativeOp(
-    "jaxslices_managed_admit",
-    _admit_reference,
-    _admit_abstract,
-    # operand i -> output i - 2: the per-slot arrays and the scalars in place
-    aliases={i: i - 2 for i in range(3, 3 + len(_ADMIT_FIELDS))} | {15: 12},
-    attrs={},
-    ids_operand=10,  # sorted_slots, int32: the kernel's one registration
-)
-_EVICT_OP = NativeOp(
-    "jaxslices_managed_evict",
-    _evict_reference,
-    _evict_abstract,
-    aliases={i: i + 1 for i in range(len(_EVICT_FIELDS) + 1)},
-    attrs={"lfu": np.bool_},
-    ids_operand=7,
-)
-
-
-def _lookup_and_admit(
-    state: RemapState, hi: jax.Array, lo: jax.Array, valid: jax.Array
-) -> tuple[jax.Array, RemapState]:
-    """Look up and admit; the native kernel on one CPU device (bitwise equal)."""
-    if hi.shape[0] == 0:
-        return jnp.zeros((0,), jnp.int32), state
-    rows, *arrays, scalars = _ADMIT_OP.bind(
-        hi,
-        lo,
-        valid,
-        *(getattr(state, f) for f in _ADMIT_FIELDS),
-        state.free_slots,
-        _scalars(state),
-        fallback=None,
-    )
-    state = state._replace(**dict(zip(_ADMIT_FIELDS, arrays, strict=True)))
-    return rows, _with_scalars(state, scalars)

@@ -21,6 +21,7 @@ __all__ = ["check_axis", "shard_rows", "sharded_init", "state_specs"]
 
 
 def check_axis(mesh: Any, axis: str, where: str) -> int:
+    """The size of ``mesh``'s axis ``axis``; a clear error if it has none."""
     if axis not in mesh.axis_names:
         raise ValueError(
             f"{where}: `axis` must name an axis of the mesh {dict(mesh.shape)}, "

@@ -42,11 +42,13 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .. import _leaves
 from ..collection import EmbeddingCollection
 from ..collection._buffers import noise_origin
 from ..collection._face import CollectionFace
 from . import _cost, _layout, _replay, _routing
 from ._layout import KINDS, kind_and_device
+from ._placement import check_axis
 
 __all__ = ["KINDS", "ShardingPlan", "TablePlan", "kind_and_device"]
 
@@ -172,13 +174,8 @@ class ShardingPlan(CollectionFace):
                 f"{where}: `collection` must be a jaxslices.EmbeddingCollection, "
                 f"got {type(collection).__name__}."
             )
-        if axis not in mesh.axis_names:
-            raise ValueError(
-                f"{where}: `axis` must name an axis of the mesh {dict(mesh.shape)}, "
-                f"got {axis!r}."
-            )
+        n = self.devices = check_axis(mesh, axis, where)
         self.collection, self.mesh, self.axis = collection, mesh, axis
-        n = self.devices = int(mesh.shape[axis])
         names = [t.name for t in collection.tables]
         missing = [t for t in names if t not in kinds]
         unknown = [t for t in kinds if t not in names]
@@ -465,12 +462,7 @@ class ShardingPlan(CollectionFace):
         found = jax.tree_util.tree_flatten_with_path(params)[0]
         routes, origins = [], []
         for path, leaf in found:
-            names = [_key_name(e) for e in path]
-            name = next(
-                (k for k in reversed(names) if isinstance(k, str) and k in by_name),
-                None,
-            )
-            b = by_name.get(name)
+            b = by_name.get(_leaves.named_in_path(path, by_name))
             shape = tuple(getattr(leaf, "shape", ()))
             mine = b is not None and shape == b.shape
             routes.append(self._routes.get(b.name) if mine else None)
@@ -527,13 +519,6 @@ class ShardingPlan(CollectionFace):
 
 def _gather(table, gids, batch_dim, *, route):
     return _routing.gather(table, gids, route, batch_dim)
-
-
-def _key_name(entry: Any) -> Any:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return getattr(entry, attr)
-    return None
 
 
 class _PlanView:

@@ -17,6 +17,7 @@ import numpy as np
 from ..collection import EmbeddingCollection
 from . import _cost
 from ._layout import kind_and_device
+from ._placement import check_axis
 from ._plan import ShardingPlan
 
 __all__ = ["plan_collection"]
@@ -97,12 +98,7 @@ def plan_collection(
       {'small': 'data_parallel', 'big': 'table_wise'}
     """
     where = "jaxslices.sharding.plan_collection"
-    if axis not in mesh.axis_names:
-        raise ValueError(
-            f"{where}: `axis` must name an axis of the mesh {dict(mesh.shape)}, "
-            f"got {axis!r}."
-        )
-    n = int(mesh.shape[axis])
+    n = check_axis(mesh, axis, where)
     overrides = dict(overrides or {})
     unknown = [t for t in overrides if t not in {c.name for c in collection.tables}]
     if unknown:

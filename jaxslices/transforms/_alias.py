@@ -105,9 +105,7 @@ def sgd(
       >>> [round(float(x), 4) for x in new["emb"][3]], new["emb"][0]
       ([0.94, 0.92], Array([1., 1.], dtype=float32))
     """
-    check_method(coalesce_method, "jaxslices.sgd")
-    check_max_distinct(max_distinct, "sgd")
-    check_stochastic_rounding(stochastic_rounding, "sgd")
+    sparse = _sparse_options("sgd", coalesce_method, max_distinct, stochastic_rounding)
     first = (
         optax.identity()
         if momentum is None
@@ -115,9 +113,7 @@ def sgd(
             momentum,
             nesterov=nesterov,
             accumulator_dtype=accumulator_dtype,
-            coalesce_method=coalesce_method,
-            max_distinct=max_distinct,
-            stochastic_rounding=stochastic_rounding,
+            **sparse,
         )
     )
     return optax.chain(first, scale_by_learning_rate(learning_rate))
@@ -174,16 +170,14 @@ def adagrad(
       >>> jaxslices.apply_updates(params, u)[:, 0].round(4)
       Array([ 0.    , -0.9877,  0.    ], dtype=float32)
     """
-    check_method(coalesce_method, "jaxslices.adagrad")
-    check_max_distinct(max_distinct, "adagrad")
-    check_stochastic_rounding(stochastic_rounding, "adagrad")
+    sparse = _sparse_options(
+        "adagrad", coalesce_method, max_distinct, stochastic_rounding
+    )
     return optax.chain(
         scale_by_rss(
             initial_accumulator_value,
             eps,
-            coalesce_method=coalesce_method,
-            max_distinct=max_distinct,
-            stochastic_rounding=stochastic_rounding,
+            **sparse,
         ),
         scale_by_learning_rate(learning_rate),
     )
@@ -269,9 +263,9 @@ def lazy_adam(
       >>> [round(float(x), 4) for x in jaxslices.apply_updates(params, u).ravel()]
       [0.0, 0.0, -0.1]
     """
-    check_method(coalesce_method, "jaxslices.lazy_adam")
-    check_max_distinct(max_distinct, "lazy_adam")
-    check_stochastic_rounding(stochastic_rounding, "lazy_adam")
+    sparse = _sparse_options(
+        "lazy_adam", coalesce_method, max_distinct, stochastic_rounding
+    )
     return optax.chain(
         scale_by_lazy_adam(
             b1,
@@ -280,9 +274,7 @@ def lazy_adam(
             eps_root,
             mu_dtype,
             nesterov=nesterov,
-            coalesce_method=coalesce_method,
-            max_distinct=max_distinct,
-            stochastic_rounding=stochastic_rounding,
+            **sparse,
         ),
         scale_by_learning_rate(learning_rate),
     )
@@ -340,9 +332,9 @@ def lazy_adamw(
       >>> [round(float(x), 4) for x in jaxslices.apply_updates(params, u)]
       [1.0, 1.0, 0.85]
     """
-    check_method(coalesce_method, "jaxslices.lazy_adamw")
-    check_max_distinct(max_distinct, "lazy_adamw")
-    check_stochastic_rounding(stochastic_rounding, "lazy_adamw")
+    sparse = _sparse_options(
+        "lazy_adamw", coalesce_method, max_distinct, stochastic_rounding
+    )
     return optax.chain(
         scale_by_lazy_adam(
             b1,
@@ -351,9 +343,7 @@ def lazy_adamw(
             eps_root,
             mu_dtype,
             nesterov=nesterov,
-            coalesce_method=coalesce_method,
-            max_distinct=max_distinct,
-            stochastic_rounding=stochastic_rounding,
+            **sparse,
         ),
         # scale_by_lazy_adam's slices are coalesced already: no second sort.
         add_decayed_weights(
@@ -421,18 +411,31 @@ def rowwise_adagrad(
       >>> jaxslices.apply_updates(params, u)[1]
       Array([-1., -1.], dtype=float32)
     """
-    check_method(coalesce_method, "jaxslices.rowwise_adagrad")
-    check_max_distinct(max_distinct, "rowwise_adagrad")
-    check_stochastic_rounding(stochastic_rounding, "rowwise_adagrad")
+    sparse = _sparse_options(
+        "rowwise_adagrad", coalesce_method, max_distinct, stochastic_rounding
+    )
     return optax.chain(
         scale_by_rowwise_rss(
             initial_accumulator_value,
             eps,
-            coalesce_method=coalesce_method,
-            max_distinct=max_distinct,
-            stochastic_rounding=stochastic_rounding,
+            **sparse,
         ),
         scale_by_learning_rate(learning_rate),
+    )
+
+
+def _sparse_options(
+    name: str, coalesce_method: str, max_distinct: Any, stochastic_rounding: Any
+) -> dict[str, Any]:
+    """An alias's options for sparse leaves, checked (messages name the alias),
+    as keyword arguments for its transforms."""
+    check_method(coalesce_method, f"jaxslices.{name}")
+    check_max_distinct(max_distinct, name)
+    check_stochastic_rounding(stochastic_rounding, name)
+    return dict(
+        coalesce_method=coalesce_method,
+        max_distinct=max_distinct,
+        stochastic_rounding=stochastic_rounding,
     )
 
 
@@ -485,13 +488,11 @@ def _ftrl_math(g, n, z, p, lr, k, l1, l2, l2_shrinkage, beta, power):
 
 
 def _ftrl_native(g, st, p, hp, sqrt_power):
-    r = g.shape[1]
-
     def power(x, k):
         return jnp.sqrt(x) if sqrt_power else jnp.power(x, k)
 
-    upd, n, z = _ftrl_math(g, st[:, :r], st[:, r:], p, *hp, power)
-    return upd, jnp.concatenate([n, z], axis=1)
+    upd, n, z = _ftrl_math(g, *st, p, *hp, power)
+    return upd, (n, z)
 
 
 def _check_nonnegative(**kwargs: Any) -> None:
@@ -576,9 +577,7 @@ def ftrl(
       >>> jaxslices.apply_updates(params, u).round(4)  # rows 0 and 2 untouched
       Array([0.5   , 0.2529, 0.5   ], dtype=float32)
     """
-    check_method(coalesce_method, "jaxslices.ftrl")
-    check_max_distinct(max_distinct, "ftrl")
-    check_stochastic_rounding(stochastic_rounding, "ftrl")
+    _sparse_options("ftrl", coalesce_method, max_distinct, stochastic_rounding)
     _check_nonnegative(
         initial_accumulator_value=initial_accumulator_value,
         l1=l1,
@@ -602,8 +601,6 @@ def ftrl(
         "ftrl",
         _ftrl_native,
         cfg=sqrt_power,
-        uses_state=True,
-        uses_params=True,
         sqrt_power=bool(sqrt_power),
     )
 

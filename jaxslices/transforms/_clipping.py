@@ -17,8 +17,9 @@ from jax.typing import ArrayLike
 
 from .. import _coalesce
 from .._coalesce import check_method
+from .._leaves import is_leaf
 from ..kernels import _ops as kernel_ops
-from ..slices import global_norm
+from ..slices import norm_of_leaves
 from ._rowwise import (
     Native,
     abs_sq,
@@ -131,10 +132,11 @@ def clip_by_global_norm(
         check_all("clip_by_global_norm", updates)
         # Coalesce once: the norm needs per-row sums, and the coalesced slices
         # are passed on, so a following transform does not coalesce again.
-        updates = coalesce_all(
+        updates, measured = coalesce_all(
             "clip_by_global_norm", updates, coalesce_method, max_distinct
         )
-        g_norm = global_norm(updates)
+        leaves = jax.tree.leaves(updates, is_leaf=is_leaf)
+        g_norm = norm_of_leaves(leaves, measured)
         trigger = jnp.squeeze(g_norm < max_norm)
 
         def clip_fn(t):
@@ -148,11 +150,11 @@ def clip_by_global_norm(
 
 
 def _clip_native(g, st, p, hp, cfg):
-    return jnp.clip(g, -hp[0], hp[0]), None
+    return jnp.clip(g, -hp[0], hp[0]), ()
 
 
 def _row_norm_native(g, st, p, hp, cfg):
-    return _row_norm_scale(g, hp[0]), None
+    return _row_norm_scale(g, hp[0]), ()
 
 
 _CLIP_SPEC = kernel_ops.RuleSpec("clip", _clip_native)

@@ -63,13 +63,6 @@ def _per_table_values(coll: Any, given: Mapping[str, Any], default: Any, where: 
     return {t.name: given.get(t.name, default) for t in coll.tables}
 
 
-def _key_name(entry: Any) -> Any:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return getattr(entry, attr)
-    return None
-
-
 def _segments(b: Any) -> tuple[np.ndarray, np.ndarray]:
     """Segment starts and each segment's table position (``-1``: unused rows)."""
     tables = b.tables
@@ -113,11 +106,7 @@ def _map_buffers(coll: Any, updates: Any, fn: Any, where: str, *others: Any) -> 
     def leaf(path, g, *xs):
         if g is None:
             return None
-        # the last path entry that names a buffer (NNX adds entries below it)
-        names = [_key_name(e) for e in path]
-        name = next(
-            (n for n in reversed(names) if isinstance(n, str) and n in by_name), None
-        )
+        name = _leaves.named_in_path(path, by_name)
         b = by_name.get(name)
         shape = tuple(g.shape) if hasattr(g, "shape") else None
         if b is None:

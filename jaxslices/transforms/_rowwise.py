@@ -44,7 +44,6 @@ bounds, so they are dropped by scatters and filled by gathers.
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import functools
 import math
 import zlib
@@ -57,7 +56,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from .. import _coalesce, _errors, _leaves, _rounding, _spmd, slices
-from .._recipe import Recipe
+from .._recipe import PooledGradient
 from ..kernels import _ops as kernel_ops
 from ..kernels import _path as kernel_path
 from ..slices import IndexedSlices, _replace_values, check_slices
@@ -405,13 +404,16 @@ def zeros_like(tree: Any, dtype: Any = None) -> Any:
 
 def coalesce_all(
     name: str, updates: Any, method: str = "auto", max_distinct: Any = None
-) -> Any:
+) -> tuple[Any, list[jax.Array | None]]:
     """Every slices leaf of ``updates`` coalesced (free where it is already).
 
-    On the native path the kernel also measures the coalesced rows' squared
-    norm (kept in the result's recipe for :func:`jaxslices.global_norm`).
+    Returns ``(updates, measured)``: ``measured`` holds, per leaf of the
+    result (``jax.tree.leaves`` with ``None`` and slices as leaves), the
+    squared norm the native coalescing kernel measured, or ``None``
+    (:func:`jaxslices.slices.norm_of_leaves` reads it).
     """
     bounds = leaf_bounds(name, max_distinct, updates)
+    measured: dict[Any, jax.Array] = {}
 
     def leaf(path, x, bound):
         if not isinstance(x, IndexedSlices):
@@ -421,19 +423,20 @@ def coalesce_all(
                 name, path, x, Native(_COALESCE_SPEC), bound, want_sumsq=True
             )
             if done is not None:
-                out, _, sumsq = done
-                recipe = dataclasses.replace(out.recipe, sumsq=sumsq)
-                return slices.with_recipe(out, recipe)
+                out, _, measured[path] = done
+                return out
         return coalesce_for_update(x, method, bound, where(name, path))
 
-    return jax.tree_util.tree_map_with_path(leaf, updates, bounds, is_leaf=is_leaf)
+    out = jax.tree_util.tree_map_with_path(leaf, updates, bounds, is_leaf=is_leaf)
+    paths = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_leaf)[0]
+    return out, [measured.get(path) for path, _ in paths]
 
 
 StateEntry = tuple[str, Any] | tuple[str, Any, int]
 
 
 def _coalesce_native(g, st, p, hp, cfg):
-    return g, None
+    return g, ()
 
 
 _COALESCE_SPEC = kernel_ops.RuleSpec("coalesce", _coalesce_native)
@@ -508,7 +511,7 @@ def native_leaf(
         unique_indices=True,
         indices_sorted=False,
     )
-    out = slices.with_recipe(out, Recipe(rows))
+    out = slices.with_recipe(out, PooledGradient(rows))
     return out, new_state, sumsq
 
 
@@ -685,7 +688,7 @@ def rowwise_update(
         # (what the apply reads, on both paths).
         out = _replace_values(c, upd.astype(g_dtype))
         flat_upd = upd.reshape(upd.shape[0], math.prod(upd.shape[1:]))
-        out = slices.with_recipe(out, Recipe(flat_upd.astype(jnp.float32)))
+        out = slices.with_recipe(out, PooledGradient(flat_upd.astype(jnp.float32)))
         return Out(out, *new_st)
 
     check_stochastic_rounding(stochastic_rounding, name)

@@ -286,11 +286,7 @@ def trace(
     if dtype is not None and dtype != jnp.float32:
         refuse = f"accumulator_dtype={dtype.name} (the kernels keep a float32 trace)"
     spec = kernel_ops.RuleSpec(
-        "trace",
-        _trace_native,
-        cfg=bool(nesterov),
-        uses_state=True,
-        nesterov=bool(nesterov),
+        "trace", _trace_native, cfg=bool(nesterov), nesterov=bool(nesterov)
     )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -318,7 +314,8 @@ def _trace_math(g, t, decay, nesterov):
 
 def _trace_native(g, st, p, hp, nesterov):
     """:func:`trace`'s rule on ``[K, R]`` rows, for the native kernel's reference."""
-    return _trace_math(g, st, hp[0], nesterov)
+    upd, t = _trace_math(g, st[0], hp[0], nesterov)
+    return upd, (t,)
 
 
 # ------------------------------------------------------------ weight decay
@@ -434,10 +431,10 @@ def _decay_math(g, p, wd):
 
 
 def _decay_native(g, st, p, hp, cfg):
-    return _decay_math(g, p, hp[0]), None
+    return _decay_math(g, p, hp[0]), ()
 
 
-_DECAY_SPEC = kernel_ops.RuleSpec("decay", _decay_native, uses_params=True)
+_DECAY_SPEC = kernel_ops.RuleSpec("decay", _decay_native)
 
 
 # ---------------------------------------------------------------- adagrad
@@ -520,10 +517,11 @@ def _rss_math(g, acc, eps):
 
 
 def _rss_native(g, st, p, hp, cfg):
-    return _rss_math(g, st, hp[0])
+    upd, acc = _rss_math(g, st[0], hp[0])
+    return upd, (acc,)
 
 
-_RSS_SPEC = kernel_ops.RuleSpec("rss", _rss_native, uses_state=True)
+_RSS_SPEC = kernel_ops.RuleSpec("rss", _rss_native)
 
 
 class ScaleByRowwiseRssState(NamedTuple):
@@ -631,13 +629,12 @@ def _rowwise_rss_math(g, acc, eps):
 
 
 def _rowwise_rss_native(g, st, p, hp, cfg):
-    upd, acc = _rowwise_rss_math(g, st[:, 0], hp[0])
-    return upd, acc[:, None]
+    (acc,) = st  # [K, 1]
+    upd, acc = _rowwise_rss_math(g, acc.reshape(acc.shape[0]), hp[0])
+    return upd, (acc.reshape(acc.shape[0], 1),)
 
 
-_ROWWISE_RSS_SPEC = kernel_ops.RuleSpec(
-    "rowwise_rss", _rowwise_rss_native, uses_state=True
-)
+_ROWWISE_RSS_SPEC = kernel_ops.RuleSpec("rowwise_rss", _rowwise_rss_native)
 
 
 # -------------------------------------------------------------- lazy adam
@@ -666,9 +663,8 @@ def _adam_math(g, m, v, b1, b2, eps, eps_root, bc_mu, bc_nu, bc_mu_next, nestero
 
 
 def _adam_native(g, st, p, hp, nesterov):
-    r = g.shape[1]
-    upd, mu, nu = _adam_math(g, st[:, :r], st[:, r:], *hp[:7], nesterov)
-    return upd, jnp.concatenate([mu, nu], axis=1)
+    upd, mu, nu = _adam_math(g, *st, *hp[:7], nesterov)
+    return upd, (mu, nu)
 
 
 class _ScaleByLazyAdamFields(NamedTuple):
@@ -753,11 +749,7 @@ def scale_by_lazy_adam(
     if mu_dtype is not None and mu_dtype != jnp.float32:
         refuse = f"mu_dtype={mu_dtype.name} (the kernels keep float32 moments)"
     spec = kernel_ops.RuleSpec(
-        "adam",
-        _adam_native,
-        cfg=bool(nesterov),
-        uses_state=True,
-        nesterov=bool(nesterov),
+        "adam", _adam_native, cfg=bool(nesterov), nesterov=bool(nesterov)
     )
 
     def init_fn(params):

@@ -12,11 +12,12 @@ layout cannot break them again (the packed row-major state once did:
 
 from __future__ import annotations
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+import registry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,33 +25,25 @@ import jaxslices as js
 
 V = 6
 
-OPTIMIZERS = {
-    "sgd": lambda: js.sgd(0.1),
-    "sgd_momentum": lambda: js.sgd(0.1, 0.9),
-    "sgd_nesterov": lambda: js.sgd(0.1, 0.9, nesterov=True),
-    "adagrad": lambda: js.adagrad(0.1),
-    "rowwise_adagrad": lambda: js.rowwise_adagrad(0.1),
-    "lazy_adam": lambda: js.lazy_adam(0.1),
-    "lazy_adamw": lambda: js.lazy_adamw(0.1, weight_decay=0.1),
-    "ftrl": lambda: js.ftrl(0.1, l1=0.01, l2_shrinkage=0.01),
-    "clip_by_global_norm": lambda: optax.chain(
-        js.clip_by_global_norm(1.0), js.adagrad(0.1)
-    ),
-    "clip_by_row_norm": lambda: optax.chain(js.clip_by_row_norm(0.5), js.sgd(0.1)),
-    "clip": lambda: optax.chain(js.clip(0.5), js.lazy_adam(0.1)),
-    "add_decayed_weights": lambda: optax.chain(
-        js.add_decayed_weights(0.1), js.sgd(0.1)
-    ),
-    "max_distinct": lambda: js.lazy_adam(0.1, max_distinct=2),
-    "multi_steps": lambda: js.MultiSteps(
-        js.lazy_adam(0.1), every_k_schedule=1, capacity=16
-    ),
-    "multi_steps_k2": lambda: js.MultiSteps(
-        js.ftrl(0.1), every_k_schedule=2, capacity=16
-    ),
-    "apply_if_finite": lambda: js.apply_if_finite(js.lazy_adam(0.1), 2),
-    "inject_hyperparams": lambda: optax.inject_hyperparams(js.lazy_adam)(0.1),
-}
+OPTIMIZERS = registry.pick(
+    "sgd",
+    "sgd_momentum",
+    "sgd_nesterov",
+    "adagrad",
+    "rowwise_adagrad",
+    "lazy_adam",
+    "lazy_adamw",
+    "ftrl",
+    "clip_by_global_norm_adagrad",
+    "clip_by_row_norm",
+    "clip_lazy_adam",
+    "add_decayed_weights",
+    "lazy_adam_max_distinct",
+    "multi_steps",
+    "multi_steps_k2",
+    "js_apply_if_finite",
+    "inject_hyperparams",
+)
 
 
 def _empty_grad(kind, row_shape, dtype, n):
@@ -79,15 +72,9 @@ def _check_untouched(name, kind, row_shape, dtype, n, jit):
     rng = np.random.default_rng(0)
     params = {"emb": jnp.asarray(rng.normal(size=(V, *row_shape)), dtype)}
     state = tx.init(params)
-
-    def step(params, state, g):
-        updates, new_state = tx.update({"emb": g}, state, params)
-        return js.apply_updates(params, updates), new_state
-
-    if jit:
-        step = jax.jit(step)
+    step = harness.jitted_step(tx) if jit else harness.step_function(tx)
     g = _empty_grad(kind, row_shape, dtype, n)
-    new_params, new_state = step(params, state, g)
+    new_params, new_state = step(params, state, {"emb": g})
     np.testing.assert_array_equal(new_params["emb"], params["emb"])
     # Every state array with the table's rows keeps them bit for bit (step
     # counters move, as they do for a dense zero gradient).
@@ -96,9 +83,15 @@ def _check_untouched(name, kind, row_shape, dtype, n, jit):
             np.testing.assert_array_equal(new, old)
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("kind", ["empty", "padding"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+# Every optimizer under jit; op by op, one smoke case per kind.
+@pytest.mark.parametrize(
+    "name, kind, jit",
+    [
+        *((n, k, True) for n in OPTIMIZERS for k in ("empty", "padding")),
+        ("multi_steps_k2", "empty", False),
+        ("clip_by_global_norm_adagrad", "padding", False),
+    ],
+)
 def test_empty_and_all_padding_gradients_touch_nothing(name, kind, jit):
     _check_untouched(name, kind, (3,), jnp.float32, 4, jit)
 
@@ -109,10 +102,10 @@ def test_empty_and_all_padding_gradients_touch_nothing(name, kind, jit):
     kind=st.sampled_from(["empty", "padding"]),
     row_shape=st.sampled_from([(), (1,), (3,), (2, 3)]),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
-    n=st.integers(1, 5),
 )
-def test_property_empty_batches_in_every_optimizer(name, kind, row_shape, dtype, n):
-    _check_untouched(name, kind, row_shape, dtype, n, jit=True)
+def test_property_empty_batches_in_every_optimizer(name, kind, row_shape, dtype):
+    # Four slots (lengths not drawn): each program is the harness's, compiled once.
+    _check_untouched(name, kind, row_shape, dtype, 4, jit=True)
 
 
 def test_an_empty_gradient_from_value_and_grad_trains_nothing():

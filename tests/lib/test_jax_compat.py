@@ -86,8 +86,38 @@ def _assert_grads_equal(got, ref):
 
 def test_every_entry_is_available_on_this_jax():
     # Both CI legs (the oldest and the newest supported JAX) run the fast
-    # paths: no fallback is exercised by accident.
-    assert _jax_compat.AVAILABLE == {name: True for name in ENTRIES}
+    # paths: no fallback is exercised by accident. Each flag read as the
+    # code reads it (a lazy entry runs its check on its first read).
+    got = {name: _jax_compat.AVAILABLE[name] for name in ENTRIES}
+    assert got == {name: True for name in ENTRIES}
+
+
+_IMPORT_ONLY = """
+import sys
+import jaxslices, jaxslices.kernels
+from jaxslices import _jax_compat
+late = sorted(m for m in sys.modules
+              if m.startswith(("jax.experimental.pallas", "jax._src.pallas.triton",
+                               "jaxlib.triton")))
+print("BEFORE", late)
+assert _jax_compat.AVAILABLE["pallas_gpu"] and _jax_compat.pallas is not None
+print("AFTER", "jax.experimental.pallas.triton" in sys.modules)
+"""
+
+
+def _python(code: str) -> str:
+    """The stdout of ``code`` in a fresh CPU-only Python that imports this tree."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, check=True
+    ).stdout.decode()
+
+
+def test_import_jaxslices_imports_no_pallas_or_triton_module():
+    """Pallas and its Triton backend load when a GPU lowering reads them
+    (``_jax_compat.pallas``, ``AVAILABLE["pallas_gpu"]``), not at import."""
+    out = _python(_IMPORT_ONLY)
+    assert "BEFORE []" in out and "AFTER True" in out, out
 
 
 def test_inventory_is_copied_into_the_design_doc():
@@ -427,14 +457,7 @@ except ImportError as e:
 @pytest.mark.parametrize("version", ["0.13.0", jax.__version__])
 def test_import_on_a_newer_jax_warns_once(version):
     """``import jaxslices`` with JAX reporting a newer line (in a subprocess)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, "-c", _IMPORT_ON.format(version=version)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
+    out = _python(_IMPORT_ON.format(version=version))
     if version == jax.__version__:  # a tested JAX: nothing
         assert "WARNINGS 0" in out and "NATIVE ok" in out, out
         return

@@ -151,9 +151,15 @@ def test_every_optimizer_native_equals_xla(name):
     assert report.native and report.native_calls >= 2, str(report)
 
 
-@pytest.mark.parametrize("combiner", ["mean", "sum", "sqrtn"])
-@pytest.mark.parametrize("jit", [True, False])
-@pytest.mark.parametrize("donate", [True, False])
+# The matrix under jit; op by op (eager), one smoke case: the kernels are the
+# same calls either way (donation has no meaning outside jit).
+@pytest.mark.parametrize(
+    "combiner, jit, donate",
+    [
+        *((c, True, d) for c in ("mean", "sum", "sqrtn") for d in (True, False)),
+        ("sqrtn", False, False),
+    ],
+)
 def test_bags_weights_and_combiners_eager_jit_donated(combiner, jit, donate):
     rng = np.random.default_rng(1)
     params = _params(rng)
@@ -237,10 +243,11 @@ def test_int64_ids_in_the_kernels_under_x64():
         src = jnp.asarray(rng.normal(size=(12, 4)), jnp.float32)
         spec = _ops.RuleSpec(
             "rss",
-            lambda g, st, p, hp, cfg: (g / jnp.sqrt(g * g + st + hp[0]), g * g + st),
-            uses_state=True,
+            lambda g, st, p, hp, cfg: (
+                g / jnp.sqrt(g * g + st[0] + hp[0]), (g * g + st[0],)
+            ),
         )
-        rec = _ops.Recipe(src)
+        rec = _ops.PooledGradient(src)
         for native in (True, False):
             with contextlib.nullcontext() if native else _path.disabled():
                 out = jax.jit(lambda s: _ops.rowwise(
@@ -526,7 +533,7 @@ def test_table_copies_sees_a_copy_behind_a_reshape():
 
     def step(state, ids):
         flat = state.reshape(num_rows, -1)
-        out = _ops.apply(flat, _ops.Recipe(jnp.ones((4, 128))), ids)
+        out = _ops.apply(flat, _ops.PooledGradient(jnp.ones((4, 128))), ids)
         return out.reshape(state.shape)
 
     state = jnp.zeros((num_rows, 2, 64))
@@ -707,7 +714,9 @@ def test_apply_with_and_without_summing_duplicates_first(length):
     n = 24
     ids = jnp.asarray(_zipf_ids(rng, (n,), 53))  # duplicates, some out of range
     src = jnp.asarray(rng.normal(size=(n // max(length, 1), 3)), jnp.float32)
-    rec = _ops.Recipe(src, length=length, weight=jnp.asarray(rng.normal(size=n)))
+    rec = _ops.PooledGradient(
+        src, length=length, weight=jnp.asarray(rng.normal(size=n))
+    )
     want = table.at[jnp.where(ids < 50, ids, 50)].add(rec.values(n), mode="drop")
     for sum_duplicates in (True, False):
         got = jax.jit(
@@ -725,8 +734,10 @@ def test_a_gate_that_changes_its_answer_between_traces_keeps_the_first_path(
     tests/scale/test_sharding.py), the later trace follows discovery instead
     of failing with "different embedding lookups on different traces"."""
     answers = iter(["XLA for the first trace"])
-    real = _path._why_not
-    monkeypatch.setattr(_path, "_why_not", lambda *a: next(answers, None) or real(*a))
+    real = _path.decide
+    monkeypatch.setattr(
+        _path, "decide", lambda *a, **k: next(answers, None) or real(*a, **k)
+    )
     table = jnp.arange(40.0).reshape(10, 4)
     ids = jnp.array([[1, 2, 2], [9, 0, -1]], jnp.int32)
 

@@ -20,6 +20,7 @@ import pytest
 from helpers import needs_kernels
 
 from jaxslices.kernels import _build, _ops
+from jaxslices.managed import _ops as managed_ops
 
 CSRC = Path(_build.__file__).resolve().parent / "csrc"
 
@@ -35,9 +36,17 @@ def test_the_rule_enum_is_the_same_in_python_and_cpp():
     body = re.search(r"enum class Rule : int32_t \{(.*?)\};", text, re.S).group(1)
     cpp = {_snake(n): int(v) for n, v in re.findall(r"k(\w+) = (\d+),", body)}
     assert cpp == {r.name.lower(): int(r) for r in _ops.Rule}
-    # ... and every rule has its shape (hyperparameters, state) in the kernel.
-    shapes = set(re.findall(r'case Rule::k(\w+): return \{"(\w+)"', text))
-    assert {(_snake(c), name) for c, name in shapes} == {(n, n) for n in cpp}
+    # ... and every rule has its shape (hyperparameters, state, parameters) in
+    # the kernel, the shape held in Python (_ops.SHAPES, read by the Pallas
+    # kernels and the rule specs).
+    pattern = r'case Rule::k(\w+): return \{"(\w+)", (-?\d+), (-?\d+), (true|false)\}'
+    shapes = {
+        _snake(c): (name, int(hp), int(rows), flag == "true")
+        for c, name, hp, rows, flag in re.findall(pattern, text)
+    }
+    assert shapes == {
+        r.name.lower(): (r.name.lower(), *_ops.SHAPES[r]) for r in _ops.Rule
+    }
 
 
 _ATTR_TYPES = {"bool": np.bool_, "int64_t": np.int64, "Rule": np.int32}
@@ -56,6 +65,22 @@ def test_attribute_names_and_types_match_the_handlers(source, op):
     assert cpp == op.attrs
 
 
+def test_the_remap_kernels_bind_their_state_once_and_no_thread_setting():
+    """``csrc/remap.cc`` binds the state's arrays in one place, in the order
+    ``managed/_ops.py`` passes them; its attributes are the ops' own (the
+    remap shares no work between threads, so it takes no thread setting)."""
+    text = (CSRC / "remap.cc").read_text()
+    cpp = {
+        name: _ATTR_TYPES[kind]
+        for kind, name in re.findall(r"Attr<(\w+)>\(\"(\w+)\"\)", text)
+    }
+    assert cpp == {**managed_ops._ADMIT.attrs, **managed_ops._EVICT.attrs}
+    assert cpp == {"lfu": np.bool_}
+    bound = re.findall(r'next\(&st->[\w.]+, ffi::\w+, \w+, "(\w+)"\);', text)
+    assert tuple(bound) == (*managed_ops.STATE_FIELDS, "scalars")
+    assert text.count("RemainingArgs()") == 2 and "(void)" not in text
+
+
 def test_every_target_has_its_handler_symbol():
     text = "".join((CSRC / n).read_text() for n in _build.SOURCES)
     symbols = set(re.findall(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*(\w+)", text))
@@ -71,14 +96,14 @@ V, R, N = 10, 4, 6
 
 
 def _rss(g, st, p, hp, cfg):
-    acc = g * g + st
-    return g / jnp.sqrt(acc + hp[0]), acc
+    acc = g * g + st[0]
+    return g / jnp.sqrt(acc + hp[0]), (acc,)
 
 
-def _run_rowwise(kind, *, hp, state=None, params=None, uses_state, uses_params):
-    spec = _ops.RuleSpec(kind, _rss, uses_state=uses_state, uses_params=uses_params)
+def _run_rowwise(kind, *, hp, state=None, params=None):
+    spec = _ops.RuleSpec(kind, _rss)
     ids = jnp.array([1, 2, 2, 9, 0, 3], jnp.int32)
-    rec = _ops.Recipe(jnp.ones((N, R), jnp.float32))
+    rec = _ops.PooledGradient(jnp.ones((N, R), jnp.float32))
     out = jax.jit(
         lambda s, p: _ops.rowwise(
             rec, ids, num_rows=V, spec=spec, hp=hp, state=s, params=p, capacity=N
@@ -90,46 +115,31 @@ def _run_rowwise(kind, *, hp, state=None, params=None, uses_state, uses_params):
 STATE_10x4 = "needs a state of 10 rows of 4 floats, got"
 PARAMS_10x4 = "needs parameters of 10 rows of 4 floats, got"
 WRONG_SHAPES = {
-    # name: (rule, hyperparameters, state shape, params shape, uses, message)
-    "no_hp": ("rss", (), (V, R), None, (1, 0), "takes 1 hyperparameters, got 0"),
+    # name: (rule, hyperparameters, state shape, params shape, message)
+    "no_hp": ("rss", (), (V, R), None, "takes 1 hyperparameters, got 0"),
     "adam_state_width": (
         "adam",
         (0.9,) * 9,
         (V, R),
         None,
-        (1, 0),
         "needs a state of 10 rows of 8 floats, got 10 rows of 4",
     ),
-    "state_rows": ("rss", (1e-7,), (V - 1, R), None, (1, 0), f"{STATE_10x4} 9 rows"),
-    "no_state": ("rss", (1e-7,), None, None, (0, 0), f"{STATE_10x4} 0 rows"),
-    "no_params": ("decay", (0.1,), None, None, (0, 0), f"{PARAMS_10x4} 0 rows"),
-    "params_width": (
-        "decay",
-        (0.1,),
-        None,
-        (V, R + 1),
-        (0, 1),
-        f"{PARAMS_10x4} 10 rows of 5",
-    ),
-    "ftrl_hp": ("ftrl", (0.1,) * 5, (V, 2, R), (V, R), (1, 1), "takes 6 hyper"),
+    "state_rows": ("rss", (1e-7,), (V - 1, R), None, f"{STATE_10x4} 9 rows"),
+    "no_state": ("rss", (1e-7,), (0,), None, f"{STATE_10x4} 0 rows"),
+    "no_params": ("decay", (0.1,), None, (0,), f"{PARAMS_10x4} 0 rows"),
+    "params_width": ("decay", (0.1,), None, (V, R + 1), f"{PARAMS_10x4} 10 rows of 5"),
+    "ftrl_hp": ("ftrl", (0.1,) * 5, (V, 2, R), (V, R), "takes 6 hyper"),
 }
 
 
 @pytest.mark.parametrize("case", list(WRONG_SHAPES))
 def test_a_wrong_shape_is_an_error_never_a_write_out_of_bounds(case):
-    kind, hp, state, params, uses, message = WRONG_SHAPES[case]
+    kind, hp, state, params, message = WRONG_SHAPES[case]
     state = None if state is None else jnp.zeros(state, jnp.float32)
     params = None if params is None else jnp.zeros(params, jnp.float32)
     with pytest.raises(Exception, match=f"jaxslices rowwise kernel: rule {kind} "):
         try:
-            _run_rowwise(
-                kind,
-                hp=hp,
-                state=state,
-                params=params,
-                uses_state=bool(uses[0]),
-                uses_params=bool(uses[1]),
-            )
+            _run_rowwise(kind, hp=hp, state=state, params=params)
         except Exception as e:
             assert message in str(e), str(e)
             raise
@@ -137,9 +147,7 @@ def test_a_wrong_shape_is_an_error_never_a_write_out_of_bounds(case):
 
 def test_the_right_shapes_run():
     state = jnp.zeros((V, R), jnp.float32)
-    new, uids, rows, count, _ = _run_rowwise(
-        "rss", hp=(1e-7,), state=state, uses_state=True, uses_params=False
-    )
+    new, uids, rows, count, _ = _run_rowwise("rss", hp=(1e-7,), state=state)
     assert int(count) == 5
     np.testing.assert_array_equal(uids, [1, 2, 9, 0, 3, V])
     np.testing.assert_allclose(new[2], 4.0)  # two rows of ones summed, squared
@@ -162,7 +170,7 @@ def test_bag_and_weight_sizes_are_checked():
         )(table).block_until_ready()
     with pytest.raises(ValueError, match="4 ids for 3 padded bags of 2 slots"):
         _ops.bag_forward(table, ids, weight=None, scale=None, num_bags=3, length=2)
-    rec = _ops.Recipe(jnp.ones((4, R)), bag=jnp.array([0, 1], jnp.int32))
+    rec = _ops.PooledGradient(jnp.ones((4, R)), bag=jnp.array([0, 1], jnp.int32))
     with pytest.raises(Exception, match="jaxslices apply kernel: the bag array has 2"):
         jax.jit(lambda t: _ops.apply(t, rec, ids))(table).block_until_ready()
 

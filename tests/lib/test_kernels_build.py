@@ -7,7 +7,9 @@ status belong to a process), with its own kernel cache:
   that fails, and with ``JAXSLICES_NATIVE=0``, a step runs on the XLA path,
   ``explain`` and ``status`` say why, and only the first two warn, once;
 * ``python -m jaxslices.kernels`` prints the status, with no other output;
-* processes that start at once build one library into a fresh cache.
+* processes that start at once build one library into a fresh cache (with
+  a stand-in compiler that copies this session's library:
+  ``tests/_reused_build.py``).
 
 These run on every machine: the ones without a compiler are what CI's run
 without a compiler checks (.ci/without-compiler). Only the build itself
@@ -17,13 +19,17 @@ needs a compiler (``needs_kernels``).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _reused_build
 import pytest
 from helpers import KERNELS_AVAILABLE, needs_kernels
+
+import jaxslices as js
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -135,7 +141,7 @@ def test_status_says_why_without_warning(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["no compiler", "off", "here"])
-def test_the_command_line_prints_the_status_and_nothing_else(tmp_path, case):
+def test_the_command_line_prints_the_status_and_what_the_kernels_use(tmp_path, case):
     (tmp_path / "bin").mkdir()
     env = {
         "no compiler": {"PATH": str(tmp_path / "bin")},
@@ -146,17 +152,39 @@ def test_the_command_line_prints_the_status_and_nothing_else(tmp_path, case):
         env["JAXSLICES_CACHE_DIR"] = str(tmp_path / "c")
     out = _run("", env, "-m", "jaxslices.kernels")
     assert out.stderr == "", out.stderr[-3000:]  # no runpy or kernels warning
-    (line,) = out.stdout.splitlines()
+    line, *rest = out.stdout.splitlines()
     loaded = case == "here" and KERNELS_AVAILABLE
     assert line.startswith("loaded: " if loaded else ("unavailable: ", "disabled"))
     assert out.returncode == (0 if loaded else 1), line
+    if case == "off":  # nothing is built: nothing else to say
+        assert rest == [], rest
+        return
+    keys = [r.split(":")[0] for r in rest]
+    assert keys[:4] == ["compiler", "flags", "threads", "cache"], rest
+    assert "-O3" in rest[1] and "threads: " in rest[2]
     if case == "no compiler":
-        assert "no C++ compiler found" in line
+        assert "no C++ compiler found" in line and rest[0] == "compiler: none found"
+        assert str(tmp_path / "c") in rest[3]
 
 
-@needs_kernels  # it builds
+def test_the_command_line_answers_help():
+    out = _run("", {"JAXSLICES_NATIVE": "0"}, "-m", "jaxslices.kernels", "--help")
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-3000:]
+    assert out.stdout.startswith("usage: python -m jaxslices.kernels")
+    for word in ("compiler", "flags", "threads", "cache", "JAXSLICES_CACHE_DIR"):
+        assert word in out.stdout, word
+
+
+@needs_kernels  # it copies this session's library
 def test_parallel_builds_into_one_fresh_cache(tmp_path):
-    env = {**os.environ, "JAXSLICES_CACHE_DIR": str(tmp_path / "cache")}
+    # The build logic races here, not g++: a stand-in compiler checks the
+    # sources are the checkout's and copies this session's library
+    # (tests/_reused_build.py); the session built it with the real one.
+    env = {
+        **os.environ,
+        "JAXSLICES_CACHE_DIR": str(tmp_path / "cache"),
+        **_reused_build.install(tmp_path, js.kernels.library_path()),
+    }
     code = "import jaxslices as js; assert js.kernels.available(); print('ok')"
     procs = [
         subprocess.Popen(
@@ -169,9 +197,13 @@ def test_parallel_builds_into_one_fresh_cache(tmp_path):
         )
         for _ in range(3)
     ]
+    notices = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=900)
         assert p.returncode == 0 and "ok" in stdout, stderr[-3000:]
+        notices += [ln for ln in stderr.splitlines() if "building the native" in ln]
+    assert len(notices) == 1, notices  # one process built, and said so in a line
+    assert notices[0].startswith("jaxslices: building the native CPU kernels with ")
     libs = list((tmp_path / "cache").glob("libjaxslices_kernels-*.so"))
     assert len(libs) == 1, libs
     assert not list((tmp_path / "cache").glob("*.tmp")), "a temporary was left"
@@ -197,3 +229,19 @@ def test_cis_machine_without_a_compiler_has_none(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "status unavailable: no C++ compiler found" in out.stdout, out.stdout
+
+
+def test_the_stand_in_compiler_refuses_sources_not_the_checkouts(
+    tmp_path, capsys, monkeypatch
+):
+    src = tmp_path / "csrc"
+    shutil.copytree(_reused_build.CHECKOUT_SOURCES, src)
+    library = tmp_path / "lib.so"
+    library.write_bytes(b"library")
+    args = ["-O3", "-o", str(tmp_path / "out.so"), str(src / "bag.cc")]
+    monkeypatch.setenv(_reused_build.LIBRARY_VARIABLE, str(library))
+    assert _reused_build.main(args) == 0
+    assert (tmp_path / "out.so").read_bytes() == b"library"
+    (src / "common.h").write_text("// edited\n")
+    assert _reused_build.main(args) == 1
+    assert "common.h is not the checkout's" in capsys.readouterr().err

@@ -166,8 +166,8 @@ def test_the_ops_with_no_ids_in_the_kernels_and_their_references():
     from jaxslices.kernels import _ops
 
     ids = jnp.zeros((0,), jnp.int32)
-    recipe = _ops.Recipe(jnp.ones((3, 4)), length=0)  # pooled [3, 4], no slots
-    spec = _ops.RuleSpec("rss", lambda g, s, p, hp, c: (g, g * g + s), uses_state=True)
+    recipe = _ops.PooledGradient(jnp.ones((3, 4)), length=0)  # pooled [3, 4], no slots
+    spec = _ops.RuleSpec("rss", lambda g, s, p, hp, c: (g, (g * g + s[0],)))
     state = jnp.full((12, 4), 0.5)
 
     def ops(table, state):

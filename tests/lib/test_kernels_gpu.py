@@ -32,6 +32,8 @@ from jaxslices.kernels import _build, _explain, _ops, _pallas, _path
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 OPS = (_ops._BAG, _ops._ROWWISE, _ops._APPLY)
+# Adagrad's rule, as the kernels are given it (its reference is the one body).
+RSS = js.transforms._transform._RSS_SPEC
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu", reason="interpret mode on the CPU host"
@@ -205,7 +207,7 @@ RULES_RUN = {
 def test_every_rule_is_covered():
     assert (
         RULES_RUN | {"max_norm"}
-        == set(_pallas.RULES)
+        == {r.name.lower() for r in _ops.SHAPES}
         == {r.name.lower() for r in _ops.Rule}
     )
 
@@ -280,7 +282,7 @@ def _native_ops(tx, loss, params, *batch):
 
     jaxpr = jax.make_jaxpr(step)(params, tx.init(params), *batch)
     names = [e.primitive.name for e in _explain._walk(jaxpr.jaxpr)]
-    return [n for n in names if n in _ops.NATIVE_OPS]
+    return [n for n in names if n in {op.name for op in OPS}]
 
 
 def test_weights_sqrtn_and_int64_ids(interpreted):
@@ -335,7 +337,7 @@ def test_empty_batches_change_nothing():
     recipe = (_ops._NONE_I32, _ops._NONE_F32, jnp.float32(1.0))
     new_state, uids, rows, count, sumsq = _pallas.rowwise(
         src, ids, *recipe, jnp.array([1e-7]), _ops._NONE_F32, state,
-        rule=_ops.Rule.RSS, has_bag=False, has_weight=False, length=0,
+        spec=RSS, has_bag=False, has_weight=False, length=0,
         num_rows=8, capacity=0, interpret=True,
     )  # fmt: skip
     assert new_state is state and uids.shape == (0,) and rows.shape == (0, 4)
@@ -369,7 +371,7 @@ def test_over_capacity_changes_nothing_and_counts():
     src = jnp.ones((4, 4))
     out = _pallas.rowwise(
         src, ids, _ops._NONE_I32, _ops._NONE_F32, jnp.float32(1.0),
-        jnp.array([1e-7]), _ops._NONE_F32, state, rule=_ops.Rule.RSS,
+        jnp.array([1e-7]), _ops._NONE_F32, state, spec=RSS,
         has_bag=False, has_weight=False, length=0, num_rows=8, capacity=2,
         interpret=True,
     )  # fmt: skip
@@ -385,7 +387,7 @@ def test_a_wrong_state_is_refused_with_what_was_given():
         _pallas.rowwise(
             jnp.ones((2, 4)), jnp.array([1, 2]), _ops._NONE_I32, _ops._NONE_F32,
             jnp.float32(1.0), jnp.array([1e-7]), _ops._NONE_F32, jnp.ones((8, 2)),
-            rule=_ops.Rule.RSS, has_bag=False, has_weight=False, length=0,
+            spec=RSS, has_bag=False, has_weight=False, length=0,
             num_rows=8, capacity=2, interpret=True,
         )  # fmt: skip
 
@@ -418,16 +420,17 @@ def test_tolerance_is_needed_and_met():
 def test_the_gpu_path_is_opt_in(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     table = jnp.ones((8, 4))
-    assert "opt-in" in _path._why_not((table,), (jnp.float32,))
+    assert "opt-in" in _path.decide(table)
     with js.kernels.gpu_kernels():
-        assert _path._why_not((table,), (jnp.float32,)) is None
-        why = _path._why_not((jnp.ones((8, 3)),), (jnp.float32,))
+        assert _path.decide(table) == ""
+        why = _path.decide(jnp.ones((8, 3)))
         assert "power-of-two" in why
+        assert "no GPU kernel" in _path.decide(table, gpu=False)  # the remap
         with js.kernels.disabled():
-            assert "off" in _path._why_not((table,), (jnp.float32,))
+            assert "off" in _path.decide(table)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     with js.kernels.gpu_kernels():
-        assert "tpu" in _path._why_not((table,), (jnp.float32,))
+        assert "tpu" in _path.decide(table)
 
 
 # ---------------------------------------------------------------- exports
@@ -500,7 +503,7 @@ def test_every_kernel_lowers_to_triton(monkeypatch):
     with js.kernels.gpu_kernels():
         text = _export(step, args, "cuda", monkeypatch)
         text += _export(renorm, (args[0]["emb"], args[2]), "cuda", monkeypatch)
-    rules = {f"jaxslices_gpu_rowwise_{r}" for r in _pallas.RULES}
+    rules = {f"jaxslices_gpu_rowwise_{r.name.lower()}" for r in _ops.Rule}
     assert set(TRITON.findall(text)) == {
         "jaxslices_gpu_bag_forward",
         "jaxslices_gpu_apply",
@@ -529,6 +532,6 @@ def test_without_pallas_the_ops_lower_to_xla_and_route_says_why(monkeypatch):
         assert "@jaxslices_" not in text and "triton" not in text
         assert "jaxslices_rowwise" in text  # the ops, lowered as their references
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-        why = _path._why_not((jnp.ones((8, 4)),), (jnp.float32,))
+        why = _path.decide(jnp.ones((8, 4)))
     assert "lacks Pallas's GPU backend" in why
     assert isinstance(_jax_compat.gpu_target(), contextlib.nullcontext)

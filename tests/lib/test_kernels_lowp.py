@@ -31,7 +31,7 @@ import pytest
 from helpers import needs_kernels
 
 import jaxslices as js
-from jaxslices._recipe import Recipe
+from jaxslices._recipe import PooledGradient
 from jaxslices.kernels import _ops
 
 pytestmark = [
@@ -116,7 +116,7 @@ def test_rounding_is_bitwise_xlas_on_every_pattern_and_any_total(dtype, stochast
 
     def apply(t, seed):
         return _ops.apply(
-            t, Recipe.of_rows(values), ids, sum_duplicates=True,
+            t, PooledGradient.of_rows(values), ids, sum_duplicates=True,
             stochastic=stochastic, seed=seed,
         )  # fmt: skip
 
@@ -140,8 +140,8 @@ def test_stochastic_rounding_on_the_native_path_is_unbiased(dtype):
     values = jnp.asarray((0.1 * ulp).reshape(64, 16), jnp.float32)
     apply = jax.jit(
         lambda t, s: _ops.apply(
-            t, Recipe.of_rows(values), ids, sum_duplicates=True, stochastic=True,
-            seed=s,
+            t, PooledGradient.of_rows(values), ids, sum_duplicates=True,
+            stochastic=True, seed=s,
         )
     )  # fmt: skip
     outs = [apply(table, jnp.uint32(s)) for s in range(4)]
@@ -149,7 +149,9 @@ def test_stochastic_rounding_on_the_native_path_is_unbiased(dtype):
     # Binomial(4096, 0.1): sd 0.0047; 5 sd either side.
     assert abs(up - 0.1) < 0.024, up
     nearest = jax.jit(
-        lambda t: _ops.apply(t, Recipe.of_rows(values), ids, sum_duplicates=True)
+        lambda t: _ops.apply(
+            t, PooledGradient.of_rows(values), ids, sum_duplicates=True
+        )
     )(table)
     np.testing.assert_array_equal(np.asarray(nearest, np.float32).ravel(), w)
 

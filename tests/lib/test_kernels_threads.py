@@ -30,7 +30,7 @@ import pytest
 from helpers import needs_kernels
 
 import jaxslices as js
-from jaxslices._recipe import Recipe
+from jaxslices._recipe import PooledGradient
 from jaxslices.kernels import _ops, _threads
 from jaxslices.transforms import _transform
 
@@ -198,7 +198,7 @@ def test_rowwise_op_outputs_are_bitwise_the_same():
     src = jnp.asarray(rng.normal(size=(bags, dim)), jnp.float32)
     ids = _ids(rng, (bags * length,), num_rows)
     state = jnp.asarray(rng.uniform(size=(num_rows, dim)), jnp.float32)
-    recipe = Recipe(src, None, length, None, jnp.float32(0.5))
+    recipe = PooledGradient(src, None, length, None, jnp.float32(0.5))
 
     def rowwise(st):
         return _ops.rowwise(

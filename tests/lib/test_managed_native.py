@@ -101,6 +101,22 @@ def test_the_kernels_run_on_one_cpu_device_and_not_when_disabled():
         assert _targets(mc.remap, state, ids) == set()
 
 
+def test_explain_lists_the_remap_ops_and_why_they_take_a_path():
+    mc = js.ManagedCollision("x", num_slots=16, evict_every=2)
+    step, args = jax.jit(mc.remap), (mc.init(), jnp.array([1, 2, 3]))
+    report = js.kernels.explain(step, *args)
+    assert [d.op for d in report.decisions] == [
+        "ManagedCollision('x'): eviction",
+        "ManagedCollision('x').remap: admission",
+    ]
+    assert report.native and report.native_calls == 2
+    assert "threads" not in str(report)  # the remap kernels take no threads
+    with js.kernels.disabled():
+        report = js.kernels.explain(step, *args)
+    assert report.native_calls == 0 and len(report.decisions) == 2
+    assert all(not d.native and "off" in d.reason for d in report.decisions)
+
+
 def test_a_donated_state_is_updated_in_place():
     mc = js.ManagedCollision("t", num_slots=1 << 16, evict_every=2, evict_count=64)
     step = jax.jit(mc.remap, donate_argnums=0)

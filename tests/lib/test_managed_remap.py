@@ -243,6 +243,40 @@ def test_an_evicted_id_is_stale_in_the_main_copy_until_the_next_flush(native):
     assert state.sorted_slots.tolist() == [0, 1, 2, 3]
 
 
+def test_a_state_restored_from_its_slot_table_remaps_as_the_saved_one():
+    """The search structure is derived: ``restore`` rebuilds it from the slot
+    table (what any version's checkpoint keeps), stale entries and the
+    recent copy included, and the stream goes on as from the saved state."""
+    S, E = 12, 4
+    mc = js.ManagedCollision(
+        "t", num_slots=S, evict_every=3, evict_count=E, recent_size=4
+    )
+    model = Model(S, "lfu", 3, E)
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 40, size=3).tolist() for _ in range(10)]
+    state = mc.init()
+    for ids in batches[:6]:
+        rows, state, evicted = mc.remap(state, np.array(ids, np.int64))
+        assert (rows.tolist(), evicted.tolist()) == model.remap(ids, [True] * 3)
+    assert int(state.num_stale) > 0 and int(state.num_recent) > 0
+    search = ("sorted", "recent", "num_recent", "num_stale")  # what it rebuilds
+    saved = {f: x for f, x in state._asdict().items() if not f.startswith(search)}
+    restored = mc.restore(saved)
+    model.check(restored)
+    assert int(restored.num_stale) == int(restored.num_recent) == 0
+    for ids in batches[6:]:
+        rows, restored, evicted = mc.remap(restored, np.array(ids, np.int64))
+        assert (rows.tolist(), evicted.tolist()) == model.remap(ids, [True] * 3)
+        model.check(restored)
+    del saved["counts"]
+    with pytest.raises(ValueError, match="the saved state has no `counts`"):
+        mc.restore(saved)
+    with pytest.raises(ValueError, match="saved `ids_hi` is uint32.12., this"):
+        js.ManagedCollision("t", num_slots=S + 1).restore(state)
+    with pytest.raises(ValueError, match="belongs to another table"):
+        js.ManagedCollision("u", num_slots=S, evict_count=E).restore(state)
+
+
 def test_full_table_serves_the_default_and_counts_it():
     mc = js.ManagedCollision("t", num_slots=2)
     rows, state, evicted = mc.remap(mc.init(), [5, 6, 7, 7])

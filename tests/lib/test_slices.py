@@ -303,8 +303,10 @@ def test_coalesce_empty():
     np.testing.assert_array_equal(c.to_dense(), 0.0)
 
 
+# Fixed shapes (ids and values drawn, lengths not): one compile per property;
+# ids 7 and 8 are out of range (padding), negative ids invalid.
 @given(
-    idx=hnp.arrays(np.int32, st.integers(1, 30), elements=st.integers(-2, 8)),
+    idx=hnp.arrays(np.int32, 24, elements=st.integers(-2, 8)),
     data=st.data(),
 )
 def test_coalesce_property(idx, data):
@@ -545,7 +547,7 @@ def test_scatter_update_last_occurrence_wins(use_jit):
     np.testing.assert_array_equal(out, expected)
 
 
-@given(idx=hnp.arrays(np.int32, st.integers(1, 40), elements=st.integers(-1, 6)))
+@given(idx=hnp.arrays(np.int32, 24, elements=st.integers(-1, 6)))
 def test_scatter_update_property(idx):
     values = np.arange(idx.shape[0], dtype=np.float32) + 1
     out = js.scatter_update(jnp.zeros(6), IndexedSlices(values, idx, (6,)))

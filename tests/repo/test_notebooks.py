@@ -9,6 +9,10 @@ and a reader on the web see. The tests run each notebook at tiny sizes
   edited cell means its outputs are stale);
 * the smoke run prints what the committed outputs print, numbers masked
   (``execute_notebooks.skeleton``): same lines, same plots, no error.
+
+The smoke runs execute on the newest tested JAX line (what Colab runs; CI's
+newest leg) and are deselected on older ones (``newest_leg``,
+tests/conftest.py); the committed outputs are checked on every leg.
 """
 
 from pathlib import Path
@@ -62,6 +66,7 @@ def test_committed_outputs_are_current(path):
     assert not any("execution" in c.metadata for c in code)
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: on the newest JAX line only
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, monkeypatch, tmp_path):
     monkeypatch.setenv("JAXSLICES_SMOKE", "1")

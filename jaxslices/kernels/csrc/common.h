@@ -161,16 +161,6 @@ ffi::Error MakeRecipe(const char* kernel, const F32Rows& src,
   return ffi::Error::Success();
 }
 
-// The output that aliases `in` (the wrappers always alias it; should XLA
-// have copied the input anyway, the output starts as that copy).
-inline float* InPlace(const ffi::Buffer<ffi::F32>& in,
-                      ffi::Result<ffi::Buffer<ffi::F32>>& out) {
-  if (in.untyped_data() != out->untyped_data() && in.size_bytes() > 0) {
-    std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
-  }
-  return out->typed_data();
-}
-
 // Open-addressing map from a row id to its slot among the distinct ids, in
 // order of first appearance. Reused between calls (one per thread): a
 // generation stamp marks the entries of the current call, so starting a call
@@ -481,9 +471,11 @@ ffi::Error WithTableType(const char* kernel, ffi::DataType type, F&& f) {
   }
 }
 
-// The output that aliases `in`, of any element type (see InPlace).
-template <typename T>
-T* InPlaceAny(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
+// The output that aliases `in`, its data as T*, for every buffer type (typed
+// or AnyBuffer): the wrappers always alias it; should XLA have copied the
+// input anyway, the output starts as that copy.
+template <typename T, typename In, typename Out>
+T* InPlaceAny(const In& in, ffi::Result<Out>& out) {
   if (in.untyped_data() != out->untyped_data() && in.size_bytes() > 0) {
     std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
   }

@@ -9,7 +9,10 @@
 // the caller waits only for units already claimed: a task that starts late
 // finds nothing left and never touches the kernel's buffers. Waiting for
 // unclaimed work would deadlock when the handler itself runs on a pool
-// worker (XLA does that; measured in ../shared/research/ffi_threads.md).
+// worker: XLA's thunk executor does that for a program of many independent
+// branches, and after a handler that returned a pending future; with a
+// one-thread pool, a handler waiting for its own tasks then never returns
+// (tests/lib/test_kernels_threads.py runs that case).
 #pragma once
 
 #include <algorithm>

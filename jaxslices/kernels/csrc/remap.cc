@@ -1,4 +1,4 @@
-// The managed-collision remap (jaxslices/managed/_table.py) on the CPU: the
+// The managed-collision remap (jaxslices/managed/_reference.py) on the CPU: the
 // same state, the same rules, the same bits as its XLA reference there.
 //
 // A raw id is a pair of uint32 words ordered by (low, high). The state keeps
@@ -17,6 +17,7 @@
 // main copy (a flush) drops them first.
 // Every merge and compaction is in place: a donated state is never copied.
 #include <algorithm>
+#include <type_traits>
 
 #include "common.h"
 
@@ -37,15 +38,6 @@ inline bool Less(uint32_t al, uint32_t ah, uint32_t bl, uint32_t bh) {
 inline int32_t SaturatingAdd(int32_t a, int64_t b) {
   int64_t s = static_cast<int64_t>(a) + b;
   return s > kInt32Max ? kInt32Max : static_cast<int32_t>(s);
-}
-
-// The output that aliases an input (copied first should XLA not alias it).
-template <ffi::DataType T>
-inline ffi::NativeType<T>* Out(const ffi::BufferR1<T>& in, ffi::Result<ffi::BufferR1<T>>& out) {
-  if (in.untyped_data() != out->untyped_data() && in.size_bytes() > 0) {
-    std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
-  }
-  return out->typed_data();
 }
 
 // A sorted copy: ids (low, high words) and their slots; n entries in use.
@@ -147,55 +139,94 @@ void RadixSort(std::vector<NewId>* items, std::vector<NewId>* spare) {
   if (a != items->data()) std::memcpy(items->data(), a, n * sizeof(NewId));
 }
 
+// The remap's state: twelve arrays and the scalars, in the order the Python
+// side passes them and gets them back (jaxslices/managed/_ops.py:
+// STATE_FIELDS, then `scalars`), each output aliasing its input. Bound here
+// once for both kernels, sizes checked.
+constexpr size_t kStateArrays = 13;
+
+struct State {
+  int64_t S, K;  // slots, entries of the recent copy
+  uint32_t* ids_hi;
+  uint32_t* ids_lo;
+  bool* occupied;
+  int32_t* counts;
+  int32_t* last_seen;
+  Copy main, recent;
+  int32_t* free_slots;
+  int32_t* scalars;
+};
+
+// The state's arrays from the handler's remaining arguments and results.
+ffi::Error BindState(const char* kernel, const ffi::RemainingArgs& in,
+                     const ffi::RemainingRets& out, State* st) {
+  if (in.size() != kStateArrays || out.size() != kStateArrays) {
+    return Invalid(kernel, "a state of " + Str(in.size()) + " arrays and " +
+                               Str(out.size()) + " results for " +
+                               Str(kStateArrays));
+  }
+  auto size_of = [&](size_t i) {
+    auto a = in.get<ffi::AnyBuffer>(i);
+    return a.has_value() ? static_cast<int64_t>(a->element_count()) : int64_t{-1};
+  };
+  st->S = size_of(0), st->K = size_of(8);
+  size_t i = 0;
+  ffi::Error error = ffi::Error::Success();
+  auto next = [&](auto** data, ffi::DataType dtype, int64_t size, const char* name) {
+    using T = std::remove_pointer_t<std::remove_reference_t<decltype(*data)>>;
+    const size_t at = i++;
+    if (error.failure()) return;
+    auto a = in.get<ffi::AnyBuffer>(at);
+    auto r = out.get<ffi::AnyBuffer>(at);
+    if (!a.has_value() || !r.has_value() || a->element_type() != dtype ||
+        (*r)->element_type() != dtype || a->dimensions().size() != 1 ||
+        static_cast<int64_t>(a->element_count()) != size ||
+        (*r)->element_count() != a->element_count()) {
+      error = Invalid(kernel, std::string("the state's ") + name +
+                                  " is not a vector of " + Str(size) +
+                                  " entries of its type");
+      return;
+    }
+    *data = InPlaceAny<T>(*a, *r);
+  };
+  const int64_t S = st->S, K = st->K;
+  next(&st->ids_hi, ffi::U32, S, "ids_hi");
+  next(&st->ids_lo, ffi::U32, S, "ids_lo");
+  next(&st->occupied, ffi::PRED, S, "occupied");
+  next(&st->counts, ffi::S32, S, "counts");
+  next(&st->last_seen, ffi::S32, S, "last_seen");
+  next(&st->main.hi, ffi::U32, S, "sorted_hi");
+  next(&st->main.lo, ffi::U32, S, "sorted_lo");
+  next(&st->main.slots, ffi::S32, S, "sorted_slots");
+  next(&st->recent.hi, ffi::U32, K, "recent_hi");
+  next(&st->recent.lo, ffi::U32, K, "recent_lo");
+  next(&st->recent.slots, ffi::S32, K, "recent_slots");
+  next(&st->free_slots, ffi::S32, S, "free_slots");
+  next(&st->scalars, ffi::S32, kScalars, "scalars");
+  st->main.size = S, st->recent.size = K;
+  return error;
+}
+
 }  // namespace
 
-static ffi::Error AdmitImpl(
-    U32Vector hi, U32Vector lo, PredVector valid, U32Vector ids_hi, U32Vector ids_lo,
-    PredVector occupied, S32Vector counts, S32Vector last_seen, U32Vector sorted_hi,
-    U32Vector sorted_lo, S32Vector sorted_slots, U32Vector recent_hi, U32Vector recent_lo,
-    S32Vector recent_slots, S32Vector free_slots, S32Vector scalars,
-    ffi::Result<S32Vector> rows_out, ffi::Result<U32Vector> ids_hi_out,
-    ffi::Result<U32Vector> ids_lo_out, ffi::Result<PredVector> occupied_out,
-    ffi::Result<S32Vector> counts_out, ffi::Result<S32Vector> last_seen_out,
-    ffi::Result<U32Vector> sorted_hi_out, ffi::Result<U32Vector> sorted_lo_out,
-    ffi::Result<S32Vector> sorted_slots_out, ffi::Result<U32Vector> recent_hi_out,
-    ffi::Result<U32Vector> recent_lo_out, ffi::Result<S32Vector> recent_slots_out,
-    ffi::Result<S32Vector> scalars_out, int64_t threads, int64_t min_slots) {
+static ffi::Error AdmitImpl(U32Vector hi, U32Vector lo, PredVector valid,
+                            ffi::RemainingArgs state_in, ffi::Result<S32Vector> rows_out,
+                            ffi::RemainingRets state_out) {
   constexpr const char* kKernel = "managed admit";
-  (void)threads, (void)min_slots;
-  const int64_t N = hi.element_count(), S = ids_hi.element_count(),
-                K = recent_hi.element_count();
+  State st;
+  if (ffi::Error e = BindState(kKernel, state_in, state_out, &st); e.failure()) return e;
+  auto& [S, K, ih, il, occ, cnt, last, main, recent, stack, sc] = st;
+  const int64_t N = hi.element_count();
   if (lo.element_count() != N || valid.element_count() != N ||
       rows_out->element_count() != N) {
     return Invalid(kKernel, "ids of " + Str(N) + " high words, " +
                                 Str(lo.element_count()) + " low words, " +
                                 Str(valid.element_count()) + " mask entries");
   }
-  for (int64_t n : {ids_lo.element_count(), occupied.element_count(), counts.element_count(),
-                    last_seen.element_count(), sorted_hi.element_count(),
-                    sorted_lo.element_count(), sorted_slots.element_count(),
-                    free_slots.element_count()}) {
-    if (n != S) return Invalid(kKernel, "a per-slot array of " + Str(n) + " for " + Str(S) + " slots");
-  }
-  if (recent_lo.element_count() != K || recent_slots.element_count() != K ||
-      scalars.element_count() != kScalars) {
-    return Invalid(kKernel, "recent copy or scalars of the wrong size");
-  }
-  uint32_t* ih = Out(ids_hi, ids_hi_out);
-  uint32_t* il = Out(ids_lo, ids_lo_out);
-  bool* occ = Out(occupied, occupied_out);
-  int32_t* cnt = Out(counts, counts_out);
-  int32_t* last = Out(last_seen, last_seen_out);
-  Copy main{Out(sorted_hi, sorted_hi_out), Out(sorted_lo, sorted_lo_out),
-            Out(sorted_slots, sorted_slots_out), S};
-  Copy recent{Out(recent_hi, recent_hi_out), Out(recent_lo, recent_lo_out),
-              Out(recent_slots, recent_slots_out), K};
-  int32_t* sc = Out(scalars, scalars_out);
   int32_t* rows = rows_out->typed_data();
   const uint32_t* h = hi.typed_data();
   const uint32_t* l = lo.typed_data();
   const bool* ok = valid.typed_data();
-  const int32_t* stack = free_slots.typed_data();
   if (N == 0) return ffi::Error::Success();
 
   int64_t num_free = sc[kNumFree], num_recent = sc[kNumRecent], num_stale = sc[kNumStale];
@@ -342,43 +373,14 @@ void Lowest(const int32_t* first, const int32_t* then, const bool* occ, int64_t 
 
 }  // namespace
 
-static ffi::Error EvictImpl(
-    U32Vector ids_hi, U32Vector ids_lo, PredVector occupied, S32Vector counts,
-    S32Vector last_seen, U32Vector sorted_hi, U32Vector sorted_lo, S32Vector sorted_slots,
-    U32Vector recent_hi, U32Vector recent_lo, S32Vector recent_slots, S32Vector free_slots,
-    S32Vector scalars, ffi::Result<S32Vector> evicted_out, ffi::Result<U32Vector> ids_hi_out,
-    ffi::Result<U32Vector> ids_lo_out, ffi::Result<PredVector> occupied_out,
-    ffi::Result<S32Vector> counts_out, ffi::Result<S32Vector> last_seen_out,
-    ffi::Result<U32Vector> sorted_hi_out, ffi::Result<U32Vector> sorted_lo_out,
-    ffi::Result<S32Vector> sorted_slots_out, ffi::Result<U32Vector> recent_hi_out,
-    ffi::Result<U32Vector> recent_lo_out, ffi::Result<S32Vector> recent_slots_out,
-    ffi::Result<S32Vector> free_slots_out, ffi::Result<S32Vector> scalars_out, bool lfu,
-    int64_t threads, int64_t min_slots) {
+static ffi::Error EvictImpl(ffi::RemainingArgs state_in, ffi::Result<S32Vector> evicted_out,
+                            ffi::RemainingRets state_out, bool lfu) {
   constexpr const char* kKernel = "managed evict";
-  (void)threads, (void)min_slots;
-  const int64_t S = ids_hi.element_count(), K = recent_hi.element_count(),
-                E = evicted_out->element_count();
-  for (int64_t n : {ids_lo.element_count(), occupied.element_count(), counts.element_count(),
-                    last_seen.element_count(), sorted_hi.element_count(),
-                    sorted_lo.element_count(), sorted_slots.element_count(),
-                    free_slots.element_count()}) {
-    if (n != S) return Invalid(kKernel, "a per-slot array of " + Str(n) + " for " + Str(S) + " slots");
-  }
-  if (recent_lo.element_count() != K || recent_slots.element_count() != K ||
-      scalars.element_count() != kScalars || E > S) {
-    return Invalid(kKernel, "recent copy, scalars or evicted slots of the wrong size");
-  }
-  uint32_t* ih = Out(ids_hi, ids_hi_out);
-  uint32_t* il = Out(ids_lo, ids_lo_out);
-  bool* occ = Out(occupied, occupied_out);
-  int32_t* cnt = Out(counts, counts_out);
-  int32_t* last = Out(last_seen, last_seen_out);
-  Copy main{Out(sorted_hi, sorted_hi_out), Out(sorted_lo, sorted_lo_out),
-            Out(sorted_slots, sorted_slots_out), S};
-  Copy recent{Out(recent_hi, recent_hi_out), Out(recent_lo, recent_lo_out),
-              Out(recent_slots, recent_slots_out), K};
-  int32_t* stack = Out(free_slots, free_slots_out);
-  int32_t* sc = Out(scalars, scalars_out);
+  State st;
+  if (ffi::Error e = BindState(kKernel, state_in, state_out, &st); e.failure()) return e;
+  auto& [S, K, ih, il, occ, cnt, last, main, recent, stack, sc] = st;
+  const int64_t E = evicted_out->element_count();
+  if (E > S) return Invalid(kKernel, Str(E) + " evicted slots for " + Str(S) + " slots");
   int32_t* evicted = evicted_out->typed_data();
   std::fill(evicted, evicted + E, static_cast<int32_t>(S));
   const int64_t num_free = sc[kNumFree], num_recent = sc[kNumRecent],
@@ -402,7 +404,7 @@ static ffi::Error EvictImpl(
     stack[num_free + r] = s;
   }
   sc[kNumRecent] =
-      static_cast<int32_t>(recent.Compact(num_recent, [occ](int32_t s) { return occ[s]; }));
+      static_cast<int32_t>(recent.Compact(num_recent, [live = occ](int32_t s) { return live[s]; }));
   sc[kNumStale] = static_cast<int32_t>(num_stale + marked);
   sc[kNumFree] = static_cast<int32_t>(num_free + need);
   sc[kEvictions] = SaturatingAdd(sc[kEvictions], need);
@@ -414,70 +416,19 @@ static ffi::Error EvictImpl(
 namespace js = jaxslices;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxslicesManagedAdmitS32, js::AdmitImpl,
+    JaxslicesManagedAdmit, js::AdmitImpl,
     xla::ffi::Ffi::Bind()
         .Arg<js::U32Vector>()   // hi [N]
         .Arg<js::U32Vector>()   // lo [N]
         .Arg<js::PredVector>()  // valid [N]
-        .Arg<js::U32Vector>()   // ids_hi [S]
-        .Arg<js::U32Vector>()   // ids_lo [S]
-        .Arg<js::PredVector>()  // occupied [S]
-        .Arg<js::S32Vector>()   // counts [S]
-        .Arg<js::S32Vector>()   // last_seen [S]
-        .Arg<js::U32Vector>()   // sorted_hi [S]
-        .Arg<js::U32Vector>()   // sorted_lo [S]
-        .Arg<js::S32Vector>()   // sorted_slots [S]
-        .Arg<js::U32Vector>()   // recent_hi [K]
-        .Arg<js::U32Vector>()   // recent_lo [K]
-        .Arg<js::S32Vector>()   // recent_slots [K]
-        .Arg<js::S32Vector>()   // free_slots [S]
-        .Arg<js::S32Vector>()   // scalars [7]
+        .RemainingArgs()        // the state (js::BindState)
         .Ret<js::S32Vector>()   // rows [N]
-        .Ret<js::U32Vector>()   // ids_hi (aliased), and so on
-        .Ret<js::U32Vector>()
-        .Ret<js::PredVector>()
-        .Ret<js::S32Vector>()
-        .Ret<js::S32Vector>()
-        .Ret<js::U32Vector>()
-        .Ret<js::U32Vector>()
-        .Ret<js::S32Vector>()
-        .Ret<js::U32Vector>()
-        .Ret<js::U32Vector>()
-        .Ret<js::S32Vector>()
-        .Ret<js::S32Vector>()   // scalars (aliased)
-        .Attr<int64_t>("threads")
-        .Attr<int64_t>("min_slots"));
+        .RemainingRets());      // the state, in place
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxslicesManagedEvictS32, js::EvictImpl,
+    JaxslicesManagedEvict, js::EvictImpl,
     xla::ffi::Ffi::Bind()
-        .Arg<js::U32Vector>()   // ids_hi [S]
-        .Arg<js::U32Vector>()   // ids_lo [S]
-        .Arg<js::PredVector>()  // occupied [S]
-        .Arg<js::S32Vector>()   // counts [S]
-        .Arg<js::S32Vector>()   // last_seen [S]
-        .Arg<js::U32Vector>()   // sorted_hi [S]
-        .Arg<js::U32Vector>()   // sorted_lo [S]
-        .Arg<js::S32Vector>()   // sorted_slots [S]
-        .Arg<js::U32Vector>()   // recent_hi [K]
-        .Arg<js::U32Vector>()   // recent_lo [K]
-        .Arg<js::S32Vector>()   // recent_slots [K]
-        .Arg<js::S32Vector>()   // free_slots [S]
-        .Arg<js::S32Vector>()   // scalars [7]
+        .RemainingArgs()        // the state (js::BindState)
         .Ret<js::S32Vector>()   // evicted [E]
-        .Ret<js::U32Vector>()   // ids_hi (aliased), and so on
-        .Ret<js::U32Vector>()
-        .Ret<js::PredVector>()
-        .Ret<js::S32Vector>()
-        .Ret<js::S32Vector>()
-        .Ret<js::U32Vector>()
-        .Ret<js::U32Vector>()
-        .Ret<js::S32Vector>()
-        .Ret<js::U32Vector>()
-        .Ret<js::U32Vector>()
-        .Ret<js::S32Vector>()
-        .Ret<js::S32Vector>()   // free_slots (aliased)
-        .Ret<js::S32Vector>()   // scalars (aliased)
-        .Attr<bool>("lfu")
-        .Attr<int64_t>("threads")
-        .Attr<int64_t>("min_slots"));
+        .RemainingRets()        // the state, in place
+        .Attr<bool>("lfu"));

@@ -352,7 +352,7 @@ static ffi::Error RowwiseImpl(
     return e;
   }
   const RuleShape shape = ShapeOf(rule);
-  float* st = shape.state_rows != 0 ? InPlace(state, state_out) : nullptr;
+  float* st = shape.state_rows != 0 ? InPlaceAny<float>(state, state_out) : nullptr;
   Ctx c{row, hp.typed_data(), nesterov, sqrt_power};
   return WithTableType(kKernel, params.element_type(), [&](auto tag) {
     using P = decltype(tag);
