@@ -24,7 +24,13 @@ from helpers import KERNELS_STATUS  # noqa: E402
 
 
 def pytest_report_header(config):
-    return f"jaxslices native kernels: {KERNELS_STATUS}"
+    lines = [f"jaxslices native kernels: {KERNELS_STATUS}"]
+    if not _runs_one_leg_here():  # (xdist: the workers deselect, the header says)
+        lines.append(
+            "notebook and long example runs (newest_leg): deselected on this JAX "
+            "line, run on the newest tested one; JAXSLICES_EVERY_LEG=1 runs them"
+        )
+    return lines
 
 
 # .ci/run prints the time of each part of a leg (venv, tests, docs, the
