@@ -132,14 +132,13 @@ class ManagedCollision:
             raise ValueError(
                 f"{where}: `policy` must be one of {_POLICIES}, got {self.policy!r}."
             )
-        if self.evict_every is not None and (
-            not _is_int(self.evict_every) or self.evict_every < 1
-        ):
-            raise ValueError(
-                f"{where}: `evict_every` must be a positive int (calls of remap "
-                f"between evictions) or None (on demand only), got "
-                f"{self.evict_every!r}."
-            )
+        _check_positive_or_none(
+            where,
+            "evict_every",
+            self.evict_every,
+            "calls of remap between evictions",
+            "on demand only",
+        )
         if not _is_int(self.evict_count) or not 1 <= self.evict_count <= self.num_slots:
             raise ValueError(
                 f"{where}: the table is too small for its eviction policy: "
@@ -147,14 +146,13 @@ class ManagedCollision:
                 f"num_slots={self.num_slots}. Give 1 <= evict_count <= num_slots "
                 "(evict_count is how many slots an eviction frees for new ids)."
             )
-        if self.recent_size is not None and (
-            not _is_int(self.recent_size) or self.recent_size < 1
-        ):
-            raise ValueError(
-                f"{where}: `recent_size` must be a positive int (entries of the "
-                f"small sorted copy of recent admissions) or None (the default), "
-                f"got {self.recent_size!r}."
-            )
+        _check_positive_or_none(
+            where,
+            "recent_size",
+            self.recent_size,
+            "entries of the small sorted copy of recent admissions",
+            "the default",
+        )
 
     @property
     def recent_capacity(self) -> int:
@@ -409,6 +407,16 @@ def _evict(mc: ManagedCollision, state: RemapState) -> tuple[RemapState, jax.Arr
         evict_count=mc.evict_count,
         label=f"ManagedCollision({mc.name!r}): eviction",
     )
+
+
+def _check_positive_or_none(
+    where: str, name: str, value: Any, meaning: str, none_means: str
+) -> None:
+    if value is not None and (not _is_int(value) or value < 1):
+        raise ValueError(
+            f"{where}: `{name}` must be a positive int ({meaning}) or None "
+            f"({none_means}), got {value!r}."
+        )
 
 
 def _is_int(x: Any) -> bool:

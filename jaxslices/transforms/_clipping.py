@@ -109,9 +109,7 @@ def clip_by_global_norm(
 
     Args:
       max_norm: the largest global norm let through unscaled.
-      coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
-      max_distinct: the distinct-row bound of sparse leaves (as in
-        :func:`jaxslices.lazy_adam`); the result has that many slots.
+      coalesce_method, max_distinct: as in :func:`jaxslices.clip`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`.
@@ -189,9 +187,7 @@ def clip_by_row_norm(
 
     Args:
       max_norm: the largest row norm let through unscaled.
-      coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
-      max_distinct: the distinct-row bound of sparse leaves (as in
-        :func:`jaxslices.lazy_adam`); the result has that many slots.
+      coalesce_method, max_distinct: as in :func:`jaxslices.clip`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`.
