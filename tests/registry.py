@@ -83,6 +83,9 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "clip_by_global_norm_adagrad": lambda: optax.chain(
         js.clip_by_global_norm(0.05), js.adagrad(0.1)
     ),
+    "clip_by_global_norm_tight": lambda: optax.chain(
+        js.clip_by_global_norm(0.05), js.sgd(0.1)
+    ),
     "clip": lambda: optax.chain(js.clip(0.5), js.sgd(0.1)),
     "clip_lazy_adam": lambda: optax.chain(js.clip(0.001), js.lazy_adam(0.01)),
     "clip_by_row_norm": lambda: optax.chain(js.clip_by_row_norm(0.7), js.sgd(0.1)),

@@ -18,11 +18,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import registry
 from helpers import needs_kernels
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -42,32 +44,28 @@ pytestmark = [
     needs_kernels,  # the fallbacks: tests/lib/test_kernels_build.py
 ]
 
-OPTIMIZERS = {
-    "sgd": lambda: js.sgd(0.1),
-    "sgd_schedule": lambda: js.sgd(optax.linear_schedule(0.1, 0.01, 3)),
-    "sgd_momentum": lambda: js.sgd(0.1, 0.9),
-    "sgd_nesterov": lambda: js.sgd(0.1, 0.9, nesterov=True),
-    "trace": lambda: optax.chain(js.trace(0.5), js.scale(-0.1)),
-    "adagrad": lambda: js.adagrad(0.1),
-    "rowwise_adagrad": lambda: js.rowwise_adagrad(0.1),
-    "lazy_adam": lambda: js.lazy_adam(0.01),
-    "lazy_adam_nesterov": lambda: js.lazy_adam(0.01, eps_root=1e-8, nesterov=True),
-    "lazy_adamw": lambda: js.lazy_adamw(0.01, weight_decay=0.1),
-    "ftrl": lambda: js.ftrl(0.1, l1=0.01, l2=0.01, l2_shrinkage=0.01, beta=0.1),
-    "ftrl_power": lambda: js.ftrl(0.1, learning_rate_power=-0.3, l1=0.001),
-    "add_decayed_weights": lambda: optax.chain(
-        js.add_decayed_weights(0.1), js.sgd(0.1)
-    ),
-    "clip_by_global_norm": lambda: optax.chain(
-        js.clip_by_global_norm(0.05), js.adagrad(0.1)
-    ),
-    "clip_by_global_norm_sgd": lambda: optax.chain(
-        js.clip_by_global_norm(0.05), js.sgd(0.1)
-    ),
-    "clip_by_row_norm": lambda: optax.chain(js.clip_by_row_norm(0.01), js.sgd(0.1)),
-    "clip": lambda: optax.chain(js.clip(0.001), js.lazy_adam(0.01)),
-    "max_distinct": lambda: js.rowwise_adagrad(0.1, max_distinct=48),
-}
+#: Every rule of the kernels, each clipping or decay kernel before a rule, the
+#: max_distinct capacity (tests/registry.py: shared with the other files).
+OPTIMIZERS = registry.pick(
+    "sgd",
+    "sgd_schedule",
+    "sgd_momentum",
+    "sgd_nesterov",
+    "trace",
+    "adagrad",
+    "rowwise_adagrad",
+    "lazy_adam",
+    "lazy_adam_nesterov",
+    "lazy_adamw",
+    "ftrl",
+    "ftrl_power",
+    "add_decayed_weights",
+    "clip_by_global_norm_adagrad",
+    "clip_by_global_norm_tight",
+    "clip_by_row_norm_tight",
+    "clip_lazy_adam",
+    "max_distinct",
+)
 
 
 def _xla():
@@ -89,8 +87,9 @@ def _batches(rng, num_rows=40, bags=6, length=5, steps=3, extra=()):
     return out
 
 
-def _loss(combiner="mean", padding_id=None, weights=None):
-    def loss(p, ids, y):
+@functools.cache  # one function per setting: harness.fit's steps are cached on it
+def _loss(combiner="mean", padding_id=None):
+    def loss(p, ids, y, weights=None):
         h = js.embedding_bag(
             p["emb"], ids, combiner=combiner, padding_id=padding_id, weights=weights
         )
@@ -100,19 +99,10 @@ def _loss(combiner="mean", padding_id=None, weights=None):
 
 
 def _train(tx, loss, params, batches, *, native, jit=True, donate=False):
-    def step(p, s, ids, y):
-        value, grads = js.value_and_grad(loss)(p, ids, y)
-        updates, s = tx.update(grads, s, p)
-        return js.apply_updates(p, updates), s, value
-
-    if jit:
-        step = jax.jit(step, donate_argnums=(0, 1) if donate else ())
-    p = jax.tree.map(jnp.copy, params)
-    s = tx.init(p)
+    """``harness.fit`` on the native path (as it comes) or the XLA path: the
+    session's one compiled step per (tx, loss, shapes, path)."""
     with contextlib.nullcontext() if native else _xla():
-        for ids, y in batches:
-            p, s, _ = step(p, s, ids, y)
-    return p, s
+        return harness.fit(tx, loss, params, batches, jit=jit, donate=donate)
 
 
 def _params(rng, num_rows=40, dim=4, row_shape=None):
@@ -142,11 +132,9 @@ def test_every_optimizer_native_equals_xla(name):
     xla = _train(tx, loss, params, batches, native=False)
     _assert_trees_close(native, xla)
 
-    # And the step did take the native path, every jaxslices operation of it.
-    def step(p, s, ids, y):
-        updates, s = tx.update(js.grad(loss)(p, ids, y), s, p)
-        return js.apply_updates(p, updates), s
-
+    # And the step did take the native path, every jaxslices operation of it
+    # (the step just run: its trace and lowering are reused).
+    step = harness.jitted_loss_step(tx, loss)
     report = js.kernels.explain(step, params, tx.init(params), *batches[0])
     assert report.native and report.native_calls >= 2, str(report)
 
@@ -165,8 +153,9 @@ def test_bags_weights_and_combiners_eager_jit_donated(combiner, jit, donate):
     params = _params(rng)
     batches = _batches(rng)
     weights = jnp.asarray(rng.uniform(0.1, 2.0, size=(6, 5)), jnp.float32)
-    loss = _loss(combiner, padding_id=40, weights=weights)
-    tx = js.adagrad(0.1)
+    batches = [(ids, y, weights) for ids, y in batches]
+    loss = _loss(combiner, padding_id=40)
+    tx = registry.optimizer("adagrad")
     native = _train(tx, loss, params, batches, native=True, jit=jit, donate=donate)
     xla = _train(tx, loss, params, batches, native=False, jit=jit)
     _assert_trees_close(native, xla)
@@ -211,7 +200,9 @@ def test_several_lookups_of_one_table_and_plain_lookups():
 
 
 @pytest.mark.parametrize("kind", ["empty_batch", "all_padding"])
-@pytest.mark.parametrize("name", ["sgd", "adagrad", "lazy_adam", "ftrl", "clip"])
+@pytest.mark.parametrize(
+    "name", ["sgd", "adagrad", "lazy_adam", "ftrl", "clip_lazy_adam"]
+)
 def test_empty_and_all_padding_batches_touch_nothing(kind, name):
     rng = np.random.default_rng(4)
     params = _params(rng)
@@ -326,13 +317,7 @@ def test_donated_step_writes_table_and_state_in_place():
     params = _params(rng, num_rows=num_rows, dim=16)
     for name in ["sgd", "adagrad", "rowwise_adagrad", "lazy_adam", "ftrl"]:
         tx = OPTIMIZERS[name]()
-        loss = _loss()
-
-        @functools.partial(jax.jit, donate_argnums=(0, 1))
-        def step(p, s, ids, y, tx=tx, loss=loss):
-            u, s = tx.update(js.grad(loss)(p, ids, y), s, p)
-            return js.apply_updates(p, u), s
-
+        step = harness.jitted_loss_step(tx, _loss(), donate=True)
         ids = jnp.zeros((8, 4), jnp.int32)
         compiled = step.lower(params, tx.init(params), ids, jnp.zeros(8)).compile()
         assert js.table_copies(compiled) == [], name
@@ -386,8 +371,8 @@ def _rowwise_eqns(fun, *args):
         ("sgd", 0, 0),
         ("adagrad", 1, 1),
         ("lazy_adamw", 2, 1),  # adam, then the decay on the coalesced rows
-        ("clip_by_global_norm", 2, 1),  # coalesce (+ norm), then adagrad
-        ("clip", 2, 1),
+        ("clip_by_global_norm_adagrad", 2, 1),  # coalesce (+ norm), then adagrad
+        ("clip_lazy_adam", 2, 1),
     ],
 )
 def test_a_chain_sums_duplicates_once(name, kernels, hashed):
@@ -467,7 +452,7 @@ def test_explain_names_every_reason():
     assert not any(d.native for d in report.decisions), str(report)
     assert sum("are off" in d.reason for d in report.decisions) == 2, str(report)
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-    tx = js.lazy_adam(0.01)
+    tx = registry.optimizer("lazy_adam")
     report = js.kernels.explain(step, bf16, tx.init(bf16), ids, y)
     assert any("bfloat16" in d.reason for d in report.decisions), str(report)
 
@@ -508,13 +493,9 @@ def test_steps_export_for_cuda_and_tpu_without_a_cpu_only_call(name):
     params = _params(rng)
     ids, y = _batches(rng)[0]
     tx = OPTIMIZERS[name]()
-    loss = _loss(padding_id=40)
-
-    def step(p, s, ids, y):
-        u, s = tx.update(js.grad(loss)(p, ids, y), s, p)
-        return js.apply_updates(p, u), s
-
-    exported = jax.export.export(jax.jit(step), platforms=("cuda", "tpu"))(
+    # the step test_every_optimizer_native_equals_xla runs (its trace reused)
+    step = harness.jitted_loss_step(tx, _loss(padding_id=40))
+    exported = jax.export.export(step, platforms=("cuda", "tpu"))(
         params, tx.init(params), ids, y
     )
     text = exported.mlir_module()
@@ -641,16 +622,9 @@ def test_orbax_resume_across_the_two_paths(tmp_path, first, name):
     restored = ckptr.restore(tmp_path / "ckpt", target)
     _assert_trees_close(restored, {"params": p, "state": s})  # bit for bit, in fact
 
-    def step(p, s, ids, y):
-        value, grads = js.value_and_grad(loss)(p, ids, y)
-        updates, s = tx.update(grads, s, p)
-        return js.apply_updates(p, updates), s
-
     p2, s2 = restored["params"], restored["state"]
     with contextlib.nullcontext() if second == "native" else _xla():
-        jitted = jax.jit(step)
-        for ids, y in batches[2:]:
-            p2, s2 = jitted(p2, s2, ids, y)
+        p2, s2 = harness.fit(tx, loss, p2, batches[2:], state=s2)
     whole = _train(tx, loss, params, batches, native=True)
     _assert_trees_close((p2, s2), whole)
 
