@@ -7,6 +7,44 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+
+# ------------------------------------------- one compilation cache per session
+#: The session's programs compiled once for all its processes: the xdist
+#: workers and the subprocesses the tests start (examples, notebooks, meshes)
+#: share one JAX persistent compilation cache, a fresh directory per session
+#: that the controlling process removes at its end. A program one process
+#: compiled is loaded by the others instead of compiled again (the same
+#: executable: the cache key is the program, the JAX version, the devices and
+#: the XLA flags). Every program is cached (no minimum compile time). Its
+#: size bound turns on JAX's file lock (``filelock``, in the test extra), so
+#: two workers never read an entry half written. Off where JAX is already
+#: given a cache (``JAX_COMPILATION_CACHE_DIR``), where ``filelock`` is
+#: missing, or with ``JAXSLICES_TEST_COMPILE_CACHE=0``.
+_CACHE_OWNER = "JAXSLICES_TEST_COMPILE_CACHE_OWNER"
+
+
+def _share_one_compilation_cache() -> None:
+    if os.environ.get("JAXSLICES_TEST_COMPILE_CACHE") == "0":
+        return
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return  # given by the caller, or made by this session's controller
+    try:
+        import filelock  # noqa: F401
+    except ImportError:
+        return
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
+        prefix="jaxslices-tests-jit-"
+    )
+    os.environ[_CACHE_OWNER] = str(os.getpid())
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+
+
+_share_one_compilation_cache()
+
 import hypothesis  # noqa: E402
 
 hypothesis.settings.register_profile(
@@ -51,6 +89,13 @@ def pytest_sessionstart(session):
 
 def pytest_sessionfinish(session, exitstatus):
     _stamp_ci_times(session.config, "tests_end")
+
+
+def pytest_unconfigure(config):
+    if os.environ.get(_CACHE_OWNER) == str(os.getpid()):
+        import shutil
+
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture
