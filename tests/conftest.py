@@ -15,11 +15,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 #: that the controlling process removes at its end. A program one process
 #: compiled is loaded by the others instead of compiled again (the same
 #: executable: the cache key is the program, the JAX version, the devices and
-#: the XLA flags). Every program is cached (no minimum compile time). Its
-#: size bound turns on JAX's file lock (``filelock``, in the test extra), so
-#: two workers never read an entry half written. Off where JAX is already
-#: given a cache (``JAX_COMPILATION_CACHE_DIR``), where ``filelock`` is
-#: missing, or with ``JAXSLICES_TEST_COMPILE_CACHE=0``.
+#: the XLA flags). Every program is cached (no minimum compile time). The
+#: cache has no size bound: a bound makes JAX scan every entry under a file
+#: lock on each write, quadratic in the session's some 10,000 programs (it
+#: made the suite slower, not faster). Without the lock a worker may read an
+#: entry another is still writing: JAX then warns ("Error reading persistent
+#: compilation cache entry", pyproject's filterwarnings lets it pass) and
+#: compiles the program itself. Off where JAX is already given a cache
+#: (``JAX_COMPILATION_CACHE_DIR``) or with ``JAXSLICES_TEST_COMPILE_CACHE=0``.
 _CACHE_OWNER = "JAXSLICES_TEST_COMPILE_CACHE_OWNER"
 
 
@@ -28,10 +31,6 @@ def _share_one_compilation_cache() -> None:
         return
     if "JAX_COMPILATION_CACHE_DIR" in os.environ:
         return  # given by the caller, or made by this session's controller
-    try:
-        import filelock  # noqa: F401
-    except ImportError:
-        return
     import tempfile
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
@@ -40,7 +39,6 @@ def _share_one_compilation_cache() -> None:
     os.environ[_CACHE_OWNER] = str(os.getpid())
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 
 _share_one_compilation_cache()
