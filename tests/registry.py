@@ -110,6 +110,10 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "multi_steps_k2": lambda: js.MultiSteps(
         js.ftrl(0.1), every_k_schedule=2, capacity=16
     ),
+    # a sparse "emb" and a dense "w" (an int capacity buffers every leaf)
+    "multi_steps_k2_mixed": lambda: js.MultiSteps(
+        js.lazy_adam(0.05), every_k_schedule=2, capacity={"emb": 64, "w": None}
+    ),
     "inject_hyperparams": lambda: optax.inject_hyperparams(js.lazy_adam)(0.1),
 }
 
