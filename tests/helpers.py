@@ -3,7 +3,6 @@ whether the native kernels run here."""
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import jax
@@ -170,53 +169,3 @@ def bag_problem(seed: int, *, rows: int, dim: int, bags: int, length: int):
     }
     ids = jnp.asarray((rng.zipf(1.3, size=(bags, length)) - 1) % rows, jnp.int32)
     return params, ids, jnp.asarray(rng.normal(size=bags), jnp.float32)
-
-
-def on_both_paths(step, params, state, *args, steps=3):
-    """``steps`` jitted calls of ``step(p, s, *args) -> (p, s)``, as it comes
-    (the native kernels where they load) and on the XLA path; each is its own
-    trace (the path is chosen when a step is traced). ``(native, xla)``."""
-    from jaxslices import kernels
-
-    out = []
-    for scope in (contextlib.nullcontext, kernels.disabled):
-        # jit of the step itself: called again with the same step (and the
-        # same shapes), its trace and executable are reused (the path switch
-        # is part of jit's cache keys).
-        jitted = jax.jit(step)
-        p, s = params, state
-        with scope():
-            for _ in range(steps):
-                p, s = jitted(p, s, *args)
-        out.append((p, s))
-    return tuple(out)
-
-
-def kernel_optimizers() -> dict:
-    """Every rule of the native kernels, and each clipping or decay kernel before
-    the rule it feeds: name -> transformation."""
-    import optax
-
-    import jaxslices as js
-
-    sgd, adagrad, adam = js.sgd(0.1), js.adagrad(0.1), js.lazy_adam(0.01)
-    return {
-        "sgd": sgd,
-        "sgd_momentum": js.sgd(0.1, 0.9),
-        "sgd_nesterov": js.sgd(0.1, 0.9, nesterov=True),
-        "adagrad": adagrad,
-        "decay_adagrad": optax.chain(js.add_decayed_weights(0.1), adagrad),
-        "rowwise_adagrad": js.rowwise_adagrad(0.1),
-        "lazy_adam": adam,
-        "lazy_adam_nesterov": js.lazy_adam(0.01, nesterov=True),
-        "lazy_adamw": js.lazy_adamw(0.01, weight_decay=0.1),
-        "ftrl": js.ftrl(0.1, l1=0.01, l2=0.01, l2_shrinkage=0.01, beta=0.1),
-        "ftrl_power": js.ftrl(0.1, learning_rate_power=-0.3, l1=0.001),
-        "add_decayed_weights": optax.chain(js.add_decayed_weights(0.1), sgd),
-        "clip_by_global_norm": optax.chain(js.clip_by_global_norm(1.0), sgd),
-        "clip_by_global_norm_adagrad": optax.chain(
-            js.clip_by_global_norm(1.0), adagrad
-        ),
-        "clip_by_row_norm": optax.chain(js.clip_by_row_norm(0.5), sgd),
-        "clip": optax.chain(js.clip(0.1), adam),
-    }

@@ -65,6 +65,8 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "ftrl": lambda: js.ftrl(0.1, l1=0.01, l2=0.01, l2_shrinkage=0.01, beta=0.1),
     "ftrl_power": lambda: js.ftrl(0.1, learning_rate_power=-0.3, l1=0.001),
     "max_distinct": lambda: js.rowwise_adagrad(0.1, max_distinct=48),
+    # a bound below a [6, 5] batch's 30 slots, so it binds there
+    "max_distinct_tight": lambda: js.rowwise_adagrad(0.1, max_distinct=24),
     # ---- transforms other than a rule, and chains
     "scale": lambda: js.scale(-0.3),
     "scale_by_schedule": lambda: js.scale_by_schedule(SCHEDULE),
@@ -107,6 +109,10 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     ),
     "multi_steps_k2": lambda: js.MultiSteps(
         js.ftrl(0.1), every_k_schedule=2, capacity=16
+    ),
+    # a sparse "emb" and a dense "w" (an int capacity buffers every leaf)
+    "multi_steps_k2_mixed": lambda: js.MultiSteps(
+        js.lazy_adam(0.05), every_k_schedule=2, capacity={"emb": 64, "w": None}
     ),
     "inject_hyperparams": lambda: optax.inject_hyperparams(js.lazy_adam)(0.1),
 }

@@ -9,17 +9,38 @@ feature that has no ids. ``explain`` reports the native path for each.
 
 from __future__ import annotations
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import kernel_optimizers, needs_kernels, on_both_paths
+import registry
+from helpers import needs_kernels
 
 import jaxslices as js
 
 pytestmark = needs_kernels
 
-OPTIMIZERS = kernel_optimizers()
+#: Every rule of the native kernels, and each clipping or decay kernel before
+#: the rule it feeds (tests/registry.py).
+OPTIMIZERS = registry.pick(
+    "sgd",
+    "sgd_momentum",
+    "sgd_nesterov",
+    "adagrad",
+    "decay_adagrad",
+    "rowwise_adagrad",
+    "lazy_adam",
+    "lazy_adam_nesterov",
+    "lazy_adamw",
+    "ftrl",
+    "ftrl_power",
+    "add_decayed_weights",
+    "clip_by_global_norm_tight",
+    "clip_by_global_norm_adagrad",
+    "clip_by_row_norm_tight",
+    "clip_lazy_adam",
+)
 
 TABLE = jnp.asarray(np.random.default_rng(0).normal(size=(12, 4)), jnp.float32)
 
@@ -57,12 +78,13 @@ def _loss(p, full, empty):
     return jnp.mean((h @ p["w"] - 1.0) ** 2)
 
 
-def _step(tx, loss=_loss):
-    def step(p, s, *data):
-        u, s = tx.update(js.grad(loss)(p, *data), s, p)
-        return js.apply_updates(p, u), s
-
-    return step
+def _fit_both_paths(tx, loss, params, *data, steps=3):
+    """``steps`` steps of ``loss`` (``harness.fit``, its steps cached per path)
+    natively (as it comes) and on the XLA path: ``(native, xla)``."""
+    native = harness.fit(tx, loss, params, [data] * steps)
+    with js.kernels.disabled():
+        xla = harness.fit(tx, loss, params, [data] * steps)
+    return native, xla
 
 
 def _assert_close(a, b):
@@ -78,8 +100,8 @@ def test_a_step_with_a_feature_without_slots(name, full_shape):
     params = {"emb": TABLE, "w": jnp.ones(4)}
     full = jnp.asarray(rng.integers(0, 6, size=full_shape), jnp.int32)
     empty = jnp.zeros((4, 0), jnp.int32)
-    tx = OPTIMIZERS[name]
-    native, xla = on_both_paths(_step(tx), params, tx.init(params), full, empty)
+    tx = OPTIMIZERS[name]()
+    native, xla = _fit_both_paths(tx, _loss, params, full, empty)
     _assert_close(native, xla)
     untouched = np.setdiff1d(np.arange(12), np.asarray(full).ravel())
     np.testing.assert_array_equal(native[0]["emb"][untouched], TABLE[untouched])
@@ -90,7 +112,8 @@ def test_a_step_with_a_feature_without_slots(name, full_shape):
             if np.ndim(new) >= 1 and np.shape(new)[0] == 12:
                 np.testing.assert_array_equal(new, old)
 
-    report = js.kernels.explain(_step(tx), params, tx.init(params), full, empty)
+    step = harness.jitted_loss_step(tx, _loss)
+    report = js.kernels.explain(step, params, tx.init(params), full, empty)
     assert report.native, str(report)
 
 
@@ -132,7 +155,7 @@ def test_flax_nnx_and_equinox_bags_without_slots():
     assert int(new_state.count) == 1  # the step counted; no row changed
 
 
-@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad", "clip"])
+@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad", "clip_lazy_adam"])
 def test_a_collection_with_a_feature_without_ids(name):
     coll = js.EmbeddingCollection(
         [
@@ -148,7 +171,7 @@ def test_a_collection_with_a_feature_without_ids(name):
     jagged = js.KeyedJaggedIds.from_lists(
         {"a": [[1, 2], [3]], "b": [[], []]}, max_total=4
     )
-    tx = OPTIMIZERS[name]
+    tx = OPTIMIZERS[name]()
 
     def loss(p, feats):
         return jnp.mean((coll.concat(p["emb"], feats) @ p["w"] - 1.0) ** 2)
@@ -156,8 +179,8 @@ def test_a_collection_with_a_feature_without_ids(name):
     for feats in (padded, jagged):
         out = coll(params["emb"], feats)
         np.testing.assert_array_equal(out["b"], np.zeros((2, 4)))
-        step = _step(tx, loss)
-        _assert_close(*on_both_paths(step, params, tx.init(params), feats))
+        _assert_close(*_fit_both_paths(tx, loss, params, feats))
+        step = harness.jitted_loss_step(tx, loss)
         assert js.kernels.explain(step, params, tx.init(params), feats).native
 
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import registry
 
 import jaxslices as js
 from jaxslices import _jax_compat
@@ -171,33 +172,25 @@ def test_apply_sums_heavy_duplicates_in_place(dtype):
 
 # ------------------------------------- every optimizer and chain, end to end
 
-OPTIMIZERS = {  # chains, so that each compile (slow in interpret mode) counts
-    "sgd": lambda: js.sgd(0.1),
-    "trace": lambda: optax.chain(
-        js.trace(0.5), js.trace(0.3, nesterov=True), js.scale(-0.1)
-    ),
-    "adagrad_clipped": lambda: optax.chain(
-        js.clip_by_global_norm(0.05),
-        js.clip_by_row_norm(0.01),
-        js.clip(0.001),
-        js.adagrad(0.1),
-    ),
-    "rowwise_adagrad_max_distinct": lambda: js.rowwise_adagrad(0.1, max_distinct=24),
-    "lazy_adam": lambda: optax.chain(
-        js.scale_by_lazy_adam(),
-        js.scale_by_lazy_adam(eps_root=1e-8, nesterov=True),
-        js.scale(-0.01),
-    ),
-    "lazy_adamw": lambda: js.lazy_adamw(0.01, weight_decay=0.1),
-    "ftrl": lambda: optax.chain(
-        js.ftrl(0.1, l1=0.01, l2=0.01, l2_shrinkage=0.01, beta=0.1),
-        js.ftrl(0.1, learning_rate_power=-0.3, l1=0.001),
-    ),
-}
+#: Every rule and clip of the kernels (tests/registry.py); each is two
+#: compiles (GPU kernels, XLA), slow in interpret mode.
+OPTIMIZERS = registry.pick(
+    "sgd",
+    "trace",
+    "sgd_nesterov",
+    "clip_by_global_norm_adagrad",
+    "clip_by_row_norm_tight",
+    "clip_lazy_adam",
+    "max_distinct_tight",
+    "lazy_adam_nesterov",
+    "lazy_adamw",
+    "ftrl",
+    "ftrl_power",
+)
 
 # Every rule of the row-wise kernel is run by some optimizer above (decay by
-# lazy_adamw, coalesce by clip_by_global_norm, both Nesterov variants, both
-# FTRL powers); max_norm by test_apply_max_norm below.
+# lazy_adamw, coalesce by clip_by_global_norm, both Nesterov variants of trace
+# and adam, both FTRL powers); max_norm by test_apply_max_norm below.
 RULES_RUN = {
     "coalesce", "clip", "row_norm", "rss", "rowwise_rss", "adam", "trace",
     "decay", "ftrl",
@@ -297,7 +290,7 @@ def test_weights_sqrtn_and_int64_ids(interpreted):
     _assert_close(gpu, xla)
 
 
-@pytest.mark.parametrize("name", ["adagrad_clipped", "ftrl"])
+@pytest.mark.parametrize("name", ["clip_by_global_norm_adagrad", "ftrl"])
 def test_nan_and_inf_where_xla_puts_them(name, interpreted):
     """NaN, +inf, -inf and 0 * inf in the weights: the same places on both."""
     rng = np.random.default_rng(9)

@@ -9,12 +9,14 @@ is the reference (Adagrad on the dense equivalent), native equals it too.
 
 from __future__ import annotations
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import kernel_optimizers, needs_kernels, on_both_paths
+import registry
+from helpers import needs_kernels
 
 import jaxslices as js
 
@@ -23,7 +25,26 @@ TOL = {"rtol": 2e-5, "atol": 2e-6}
 pytestmark = needs_kernels
 
 
-OPTIMIZERS = kernel_optimizers()
+#: Every rule of the native kernels, and each clipping or decay kernel before
+#: the rule it feeds (tests/registry.py).
+OPTIMIZERS = registry.pick(
+    "sgd",
+    "sgd_momentum",
+    "sgd_nesterov",
+    "adagrad",
+    "decay_adagrad",
+    "rowwise_adagrad",
+    "lazy_adam",
+    "lazy_adam_nesterov",
+    "lazy_adamw",
+    "ftrl",
+    "ftrl_power",
+    "add_decayed_weights",
+    "clip_by_global_norm_tight",
+    "clip_by_global_norm_adagrad",
+    "clip_by_row_norm_tight",
+    "clip_lazy_adam",
+)
 
 CASES = ["nan", "inf", "-inf", "inf_times_zero_weight", "inf_in_table"]
 V, D, B, L = 16, 4, 5, 3
@@ -63,26 +84,19 @@ def _loss(p, ids, weights, c):
     return jnp.sum(h * c) + jnp.sum(p["w"] ** 2)
 
 
-_STEPS: dict = {}
+def _both_paths(run):
+    """``run()`` on the native path (as it comes) and on the XLA path; the
+    harness's steps are cached per path (the switch is in jit's cache keys)."""
+    native = run()
+    with js.kernels.disabled():
+        xla = run()
+    return native, xla
 
 
-def _step(tx, grad=None):
-    """A training step of ``_loss`` (or of the fixed gradient ``grad``).
-
-    One function per transformation for ``_loss``, so that its cases (same
-    shapes) reuse one compiled step per path.
-    """
-    if grad is None and id(tx) in _STEPS:
-        return _STEPS[id(tx)]
-
-    def step(p, s, *data):
-        g = js.grad(_loss)(p, *data) if grad is None else grad
-        u, s = tx.update(g, s, p)
-        return js.apply_updates(p, u), s
-
-    if grad is None:
-        _STEPS[id(tx)] = step
-    return step
+def _fit(tx, params, data, steps=3):
+    """``steps`` steps of ``_loss`` on ``data`` (``harness.fit``: one compiled
+    step per transformation and path for all the cases, same shapes)."""
+    return harness.fit(tx, _loss, params, [data] * steps)
 
 
 def _assert_same_nonfinite(a, b):
@@ -99,17 +113,20 @@ def _assert_same_nonfinite(a, b):
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_every_rule_with_nan_and_inf_native_equals_xla(name, case):
     params, *data = _case(case)
-    tx = OPTIMIZERS[name]
-    native, xla = on_both_paths(_step(tx), params, tx.init(params), *data)
+    tx = OPTIMIZERS[name]()
+    native, xla = _both_paths(lambda: _fit(tx, params, data))
     _assert_same_nonfinite(native, xla)
     grad = js.to_dense(js.grad(_loss)(params, *data)["emb"])
     assert not np.isfinite(np.asarray(grad)).all() or case == "inf_in_table"
-    report = js.kernels.explain(_step(tx), params, tx.init(params), *data)
+    step = harness.jitted_loss_step(tx, _loss)
+    report = js.kernels.explain(step, params, tx.init(params), *data)
     assert report.native, str(report)
 
 
 @pytest.mark.parametrize("case", ["nan", "inf", "-inf"])
-@pytest.mark.parametrize("name", ["adagrad", "rowwise_adagrad", "lazy_adam", "clip"])
+@pytest.mark.parametrize(
+    "name", ["adagrad", "rowwise_adagrad", "lazy_adam", "clip_lazy_adam"]
+)
 def test_plain_slices_with_nan_and_inf(name, case):
     """Slices that carry their values (no pooled recipe): the same agreement."""
     bad = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}[case]
@@ -119,17 +136,17 @@ def test_plain_slices_with_nan_and_inf(name, case):
         jnp.asarray(values), jnp.array([3, 3, 5, V, 0, 5], jnp.int32), (V, D)
     )
     params = jnp.ones((V, D), jnp.float32)
-    tx = OPTIMIZERS[name]
-    _assert_same_nonfinite(*on_both_paths(_step(tx, g), params, tx.init(params)))
+    tx = OPTIMIZERS[name]()
+    _assert_same_nonfinite(*_both_paths(lambda: harness.train(tx, params, [g] * 3)))
 
 
 @pytest.mark.parametrize("case", ["nan", "inf"])
 def test_native_adagrad_with_nan_and_inf_equals_optax(case):
     """Adagrad is exact: the sparse native step equals optax.adagrad densely."""
     params, *data = _case(case)
-    tx = js.adagrad(0.1)
-    (native, _), _ = on_both_paths(_step(tx), params, tx.init(params), *data)
-    dense = optax.adagrad(0.1)
+    tx = registry.optimizer("adagrad")
+    native, _ = _fit(tx, params, data)
+    dense = registry.optax_twin("adagrad")
     p, s = params, dense.init(params)
     for _ in range(3):
         g = jax.grad(lambda p: _loss(p, *data))(p)  # dense: JAX's own gradient

@@ -21,8 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+import registry
 from helpers import FLOAT_DTYPES
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -258,28 +258,23 @@ def test_layers_and_vmap():
 
 # ------------------------------------------------------- training, every optimizer
 
-OPTIMIZERS = {
-    "sgd": lambda: js.sgd(0.1),
-    "sgd_momentum": lambda: js.sgd(0.1, 0.9),
-    "sgd_nesterov": lambda: js.sgd(0.1, 0.9, nesterov=True),
-    "adagrad": lambda: js.adagrad(0.1),
-    "rowwise_adagrad": lambda: js.rowwise_adagrad(0.1),
-    "lazy_adam": lambda: js.lazy_adam(0.05),
-    "lazy_adamw": lambda: js.lazy_adamw(0.05, weight_decay=0.1),
-    "ftrl": lambda: js.ftrl(0.1, l1=0.01, l2_shrinkage=0.01),
-    "clip_by_global_norm": lambda: optax.chain(
-        js.clip_by_global_norm(0.5), js.adagrad(0.1)
-    ),
-    "clip_by_row_norm": lambda: optax.chain(js.clip_by_row_norm(0.3), js.sgd(0.1)),
-    "clip": lambda: optax.chain(js.clip(0.2), js.lazy_adam(0.05)),
-    "add_decayed_weights": lambda: optax.chain(
-        js.add_decayed_weights(0.1), js.sgd(0.1)
-    ),
-    "multi_steps": lambda: js.MultiSteps(
-        js.lazy_adam(0.05), every_k_schedule=2, capacity={"emb": 64, "w": None}
-    ),
-    "apply_if_finite": lambda: js.apply_if_finite(js.lazy_adam(0.05), 2),
-}
+# Every rule, clip and wrapper (tests/registry.py).
+OPTIMIZERS = registry.pick(
+    "sgd",
+    "sgd_momentum",
+    "sgd_nesterov",
+    "adagrad",
+    "rowwise_adagrad",
+    "lazy_adam",
+    "lazy_adamw",
+    "ftrl",
+    "clip_by_global_norm_adagrad",
+    "clip_by_row_norm_tight",
+    "clip_lazy_adam",
+    "add_decayed_weights",
+    "multi_steps_k2_mixed",
+    "js_apply_if_finite",
+)
 
 NUM_ROWS, DIM, PAD = 10, 4, 9
 
