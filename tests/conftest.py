@@ -63,8 +63,9 @@ def pytest_report_header(config):
     lines = [f"jaxslices native kernels: {KERNELS_STATUS}"]
     if not _runs_one_leg_here():  # (xdist: the workers deselect, the header says)
         lines.append(
-            "notebook and long example runs (newest_leg): deselected on this JAX "
-            "line, run on the newest tested one; JAXSLICES_EVERY_LEG=1 runs them"
+            "notebook, long example and benchmark runs (newest_leg): deselected on "
+            "this JAX line, run on the newest tested one; JAXSLICES_EVERY_LEG=1 "
+            "runs them"
         )
     return lines
 
@@ -110,8 +111,10 @@ def xla_path():
 
 # ------------------------------------------------ runs made on one leg only
 
-#: Marks a test that runs a notebook or a long example end to end: minutes of
-#: the library code that the rest of the suite tests on every leg. It runs on
+#: Marks a test that runs a notebook, a long example or a benchmark end to
+#: end: minutes of the library code that the rest of the suite tests on every
+#: leg (the benchmarks' smoke runs call the same public API the library's
+#: tests check on each leg; their static checks still run on every leg). It runs on
 #: the newest tested JAX line (what Colab runs; CI's newest leg) and is
 #: deselected on older lines, where the committed outputs are still checked
 #: (tests/repo/test_notebooks.py's other tests), as the compiler-less pass
@@ -131,8 +134,8 @@ def _runs_one_leg_here() -> bool:
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        f"{ONE_LEG}: a notebook or long example run, made on the newest tested "
-        "JAX line only (tests/conftest.py)",
+        f"{ONE_LEG}: a notebook, long example or benchmark run, made on the "
+        "newest tested JAX line only (tests/conftest.py)",
     )
 
 
@@ -156,7 +159,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         from jaxslices import _jax_compat as compat
 
         terminalreporter.write_line(
-            f"{dropped} notebook and long example runs deselected: they run on "
-            f"the newest tested JAX line ({compat.NEWEST_TESTED}), not on JAX "
-            f"{jax.__version__}; JAXSLICES_EVERY_LEG=1 runs them here"
+            f"{dropped} notebook, long example and benchmark runs deselected: "
+            f"they run on the newest tested JAX line ({compat.NEWEST_TESTED}), "
+            f"not on JAX {jax.__version__}; JAXSLICES_EVERY_LEG=1 runs them here"
         )

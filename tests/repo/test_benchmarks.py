@@ -29,6 +29,7 @@ def bench(monkeypatch):
     return load
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 @pytest.mark.parametrize(
     "optimizer", ["sgd", "clip_sgd", "adagrad", "adam", "rowwise_adagrad", "ftrl"]
 )
@@ -63,6 +64,7 @@ def test_step_bench_smoke(bench, tmp_path, optimizer):
         ]
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 @pytest.mark.parametrize("lookup", ["rows", "bag"])
 def test_optimizer_floor_bench_smoke(bench, tmp_path, lookup):
     """Every path of one code tree, in this process, saved with its command."""
@@ -146,6 +148,7 @@ def test_optimizer_floor_bench_native_goals(bench):
     assert "2.00x" in ofb.native_markdown(summary, ["new"])
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 def test_step_bench_donation_smoke(bench):
     """The opt-in paths without donation, and what table_copies finds."""
     step_bench = bench("step_bench")
@@ -218,6 +221,7 @@ def test_step_bench_selects_coalescing_through_the_public_argument(bench):
     assert opt is not None
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 def test_coalesce_bench_smoke(bench, tmp_path):
     coalesce_bench = bench("coalesce_bench")
     report = coalesce_bench.main(
@@ -248,6 +252,7 @@ def test_coalesce_methods_agree_with_numpy(bench, num_rows):
         coalesce_bench.check(method, ids, rows, num_rows)
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 def test_scatter_contention_smoke(bench):
     scatter_contention = bench("scatter_contention")
     report = scatter_contention.main(num_rows=(64,), batch=32, dim=4, steps=2)
@@ -256,6 +261,7 @@ def test_scatter_contention_smoke(bench):
     assert row["distinct_ids"] <= 32
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 def test_checks_cost_smoke(bench, tmp_path):
     checks_cost = bench("checks_cost")
     root = str(BENCH.parent)
@@ -278,6 +284,7 @@ def test_checks_cost_smoke(bench, tmp_path):
     assert json.loads((tmp_path / "c.json").read_text())["runs"][0]["code"] == "this"
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 def test_dlrm_bench_smoke(bench, tmp_path):
     """Every JAX path computes the same losses; timings, memory, JSON written.
     (The TorchRec worker needs torchrec's environment; it is not run here.)"""
@@ -303,6 +310,7 @@ def test_dlrm_bench_smoke(bench, tmp_path):
     assert saved["tables"] == 4 and "torchrec" not in saved
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 def test_check_dispatch_smoke(bench, tmp_path):
     check_dispatch = bench("check_dispatch")
     report = check_dispatch.main(
@@ -381,6 +389,7 @@ def test_peers_step_follows_fbgemms_rules(bench, optimizer):
         np.testing.assert_allclose(params["w"], ref[1], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 def test_peers_bench_smoke(bench, tmp_path):
     """The jaxslices workers (XLA and native switches) against each other, and
     FBGEMM's when JAXSLICES_TORCHREC_PYTHON names a torch environment."""
@@ -419,6 +428,7 @@ def test_peers_bench_smoke(bench, tmp_path):
     assert (tmp_path / "peers_bench_cpu.png").stat().st_size > 1000
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 def test_soak_bench_smoke(bench, tmp_path):
     soak_bench = bench("soak_bench")
     report = soak_bench.main(
@@ -448,6 +458,7 @@ def test_soak_bench_smoke(bench, tmp_path):
     assert (tmp_path / "soak_bench_cpu.png").stat().st_size > 1000
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 def test_pooled_form_bench_smoke(bench, tmp_path):
     report = bench("pooled_form_bench").main(
         num_rows=256, dim=4, batch=8, bag=4, num_batches=2, steps=2, passes=1,
@@ -465,6 +476,7 @@ def test_pooled_form_bench_smoke(bench, tmp_path):
     assert (tmp_path / "pooled_form_bench_cpu.json").exists()
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 def test_sgd_duplicates_bench_smoke(bench, tmp_path):
     report = bench("sgd_duplicates_bench").main(
         num_rows=256, dim=4, batch=8, bag=4, num_batches=2, steps=2, passes=1,
@@ -476,6 +488,7 @@ def test_sgd_duplicates_bench_smoke(bench, tmp_path):
     assert (tmp_path / "sgd_duplicates_bench_cpu.json").exists()
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 @pytest.mark.skipif(not KERNELS_AVAILABLE, reason="times the native kernels")
 def test_threads_bench_smoke(bench, tmp_path):
     report = bench("threads_bench").main(
@@ -574,6 +587,7 @@ def test_repo_modules_load_without_the_root_on_sys_path(tmp_path):
     ]
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 def test_managed_bench_smoke(bench, tmp_path):
     report = bench("managed_bench").main(
         num_rows=512, dim=4, batch=16, bag=2, num_batches=2, warmup_batches=2,

@@ -6,9 +6,12 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 def test_scale_bench_smoke(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(BENCH))
     sys.modules.pop("scale_bench", None)
@@ -77,6 +80,7 @@ def test_needed_capacity(monkeypatch):
     assert scale_bench.needed_capacity(ids, 2, 8) == 4
 
 
+@pytest.mark.newest_leg  # tests/conftest.py: a benchmark run, newest JAX line
 def test_plan_scale_bench_smoke(monkeypatch, tmp_path):
     """benchmarks/plan_scale_bench.py end to end, tiny: every row's figures
     come from the HLO, and all-to-all moves less than masked at 4 devices."""
