@@ -1,5 +1,9 @@
 """Shared pieces of the sharding tests: a small model, optimizers, references.
 
+The optimizers are ``tests/registry.py``'s, and the single-device reference
+step is ``tests/harness.py``'s: compiled once per session for each optimizer
+and shared by every file that compares a mesh step with it.
+
 The tests need 8 devices: ``tests/conftest.py`` sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before JAX starts, so
 plain ``python -m pytest`` (also with ``-n 2``: every worker imports the
@@ -8,10 +12,11 @@ conftest) has 8 CPU devices.
 
 from __future__ import annotations
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+import registry
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -35,16 +40,17 @@ def mesh(shape=(8,), names=("data",)) -> Mesh:
     return Mesh(np.array(devices(n)).reshape(shape), names)
 
 
-OPTIMIZERS = {
-    "sgd": lambda: js.sgd(0.5),
-    "sgd_momentum": lambda: js.sgd(0.5, momentum=0.9),
-    "clip_sgd": lambda: optax.chain(js.clip_by_global_norm(0.05), js.sgd(0.5)),
-    "adagrad": lambda: js.adagrad(0.5),
-    "lazy_adam": lambda: js.lazy_adam(0.05),
-    "lazy_adamw": lambda: js.lazy_adamw(0.05, weight_decay=0.1),
-    "rowwise_adagrad": lambda: js.rowwise_adagrad(0.5),
-    "ftrl": lambda: js.ftrl(0.5),
-}
+#: The optimizers every mesh test runs (``tests/registry.py`` names).
+OPTIMIZERS = registry.pick(
+    "sgd",
+    "sgd_momentum",
+    "clip_by_global_norm_tight",
+    "adagrad",
+    "lazy_adam",
+    "lazy_adamw",
+    "rowwise_adagrad",
+    "ftrl",
+)
 
 
 def init_params(num_rows: int, dim: int, seed: int = 0) -> dict:
@@ -71,12 +77,21 @@ def loss_fn(params, ids, y, lookup=js.embedding_lookup):
 
 
 def make_step(tx, lookup=js.embedding_lookup):
+    """``step(params, state, ids, y) -> (params, state, loss)`` on
+    :func:`loss_fn`, to jit for a mesh."""
+
     def step(params, state, ids, y):
         loss, grads = js.value_and_grad(loss_fn)(params, ids, y, lookup)
         updates, state = tx.update(grads, state, params)
         return js.apply_updates(params, updates), state, loss
 
     return step
+
+
+def reference_step(tx):
+    """The single-device step a mesh step must equal: the session's one jitted
+    step of ``tx`` on :func:`loss_fn` (``tests/harness.py``)."""
+    return harness.jitted_loss_step(tx, loss_fn)
 
 
 def replicated(m: Mesh) -> NamedSharding:

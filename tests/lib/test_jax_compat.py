@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import registry
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -310,9 +311,11 @@ def test_unknown_aval_layout_is_dense_never_no_axes(monkeypatch):
 def test_data_parallel_jit_step(off):
     m = _mesh.mesh()
     num_rows = 2048  # well above the global batch, so table-sized is telling
-    tx = js.sgd(0.5)
+    tx = registry.optimizer("sgd")
     params = _mesh.init_params(num_rows, D, 5)
     ids, y = _mesh.batch(num_rows, B, L, seed=5)
+    # Traced afresh, under the entry taken away (the session's cached
+    # reference step would keep the switch of its first trace).
     ref = jax.jit(_mesh.make_step(tx))(params, tx.init(params), ids, y)
     rep, bat = NamedSharding(m, P()), NamedSharding(m, P("data"))
     args = (
@@ -334,8 +337,10 @@ def test_data_parallel_jit_step(off):
 def test_all_to_all_routing_on_a_2d_mesh(off):
     # "model" x "data": the update all-gathers rows over the table's replicas.
     m = _mesh.mesh((4, 2), ("model", "data"))
-    tx = js.adagrad(0.5)
+    tx = registry.optimizer("adagrad")
     params, ids, y = _case(6)
+    # Traced afresh, under the entry taken away (the session's cached
+    # reference step would keep the switch of its first trace).
     ref = jax.jit(_mesh.make_step(tx))(params, tx.init(params), ids, y)
     route = dict(axis="model", routing="all_to_all", mesh=m)
 

@@ -15,9 +15,11 @@
 from __future__ import annotations
 
 import _mesh
+import harness
 import jax
 import jax.numpy as jnp
 import pytest
+import registry
 from helpers import needs_kernels
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -35,13 +37,10 @@ def _bag_loss(params, ids, y):
 
 
 def _reference(tx, params, ids, y):
-    def step(p, s, ids, y):
-        loss, g = js.value_and_grad(_bag_loss)(p, ids, y)
-        u, s = tx.update(g, s, p)
-        return js.apply_updates(p, u), s, loss
-
+    """One device's XLA-path step (``tests/harness.py``'s, compiled once)."""
     with js.kernels.disabled():
-        return jax.jit(step)(params, tx.init(params), ids, y)
+        step = harness.jitted_loss_step(tx, _bag_loss)
+        return step(params, tx.init(params), ids, y)
 
 
 @pytest.mark.parametrize("name", list(_mesh.OPTIMIZERS))
@@ -104,7 +103,7 @@ def test_a_jit_partitioned_step_takes_the_xla_path_and_is_right(name):
 def test_row_sharded_table_partitioned_by_jit_stays_sharded():
     """A row-sharded table under jit: XLA path, no all-gather of the table."""
     m = _mesh.mesh()
-    tx = js.adagrad(0.5)
+    tx = registry.optimizer("adagrad")
     params = _mesh.init_params(V, D)
     ids, y = _mesh.batch(V, B, L)
     rows = NamedSharding(m, P("data"))
