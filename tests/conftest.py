@@ -28,10 +28,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 #: deadlocks (XLA aborts after 40 s, "Termination timeout for all reduce"; one
 #: device leaves a while loop whose condition is all-reduced while the others
 #: stay in it), where the same program compiled afresh runs. Seen on jaxlib
-#: 0.12.0.1, not on 0.10.2; reproduce with ``pytest
-#: "tests/scale/test_plans.py::test_every_plan_trains_like_one_device[data_parallel-masked]"
-#: "tests/scale/test_plans.py::test_every_plan_trains_like_one_device[data_parallel-all_to_all]"``
-#: and ``JAXSLICES_TEST_COMPILE_CACHE=1`` (the second loads the first's step).
+#: 0.12.0.1, not on 0.10.2; reproduce with ``JAXSLICES_TEST_COMPILE_CACHE=1
+#: pytest tests/scale/test_plans.py -k "trains_like_one_device and
+#: data_parallel"`` (the all-to-all case loads the masked case's step).
 #: docs/scale_out.md, "Limits", tells users.
 _CACHE_OWNER = "JAXSLICES_TEST_COMPILE_CACHE_OWNER"
 _CACHE_SAFE_BEFORE_JAXLIB = (0, 12)
