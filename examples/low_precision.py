@@ -111,7 +111,9 @@ def train_variant(ds, name, *, dim, epochs, batch_size, lr, reg, seed, max_steps
             k += 1
         curve.append(_rmse(params, ds, test_idx, mu))
     table_bytes = {n: int(t.nbytes) for n, t in params.items()}
-    state_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(state))
+    # The accumulators (a bfloat16 table's optimizer also counts its steps:
+    # a scalar, the stochastic rounding's per-step seed, left out).
+    state_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(state) if x.ndim)
     return {
         "table_dtype": jnp.dtype(table_dtype).name,
         "state_dtype": jnp.dtype(state_dtype).name,

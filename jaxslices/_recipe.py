@@ -128,11 +128,10 @@ class PooledGradient:
             )
         else:
             rows = self.src
-        if self.weight is not None:
-            rows = rows * self.weight[:, None]
-        if self.scale is not None:
-            rows = rows * self.scale
-        return rows
+        # One product per entry, by the slot's factor (as the kernels compute
+        # it: the same float32 rows on both paths).
+        f = self.factors(num_slots)
+        return rows if f is None else rows * f[:, None]
 
     def __repr__(self) -> str:
         m, r = self.src.shape

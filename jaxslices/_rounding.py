@@ -10,18 +10,26 @@ average (FBGEMM writes fp16 and bf16 tables this way by default).
 
 The randomness is a hash, not a PRNG stream, so that the XLA path and the
 native kernels (``kernels/csrc/common.h``) draw the same bits without
-sharing state: for a float32 result with bit pattern ``b`` the 32 bits are
-``mix(mix(seed) ^ b)``, ``mix`` being the 32-bit finaliser of MurmurHash3
-(Austin Appleby, public domain: xor-shift 16, multiply ``0x85EBCA6B``,
-xor-shift 13, multiply ``0xC2B2AE35``, xor-shift 16). The hash reads the
-value and the seed only, not where the entry lives: a table alone, stacked
-in a collection's buffer, split over the rows or columns of a mesh, on the
-XLA path or in a kernel, an entry is rounded the same way. Equal values
-round alike within one call (they are equal in float32 too); a row that
-receives another update draws another number. The seed
-(:func:`jaxslices.apply_updates`'s ``key``, e.g. the step) makes two
-steps' draws independent when a value repeats exactly (a row whose small
-update keeps rounding back to the same weight).
+sharing state. The 32 random bits of the entry in column ``c`` of row ``r``
+(the row in the array being written, its entries flattened: ``c`` in ``[0,
+R)``) whose float32 result has bit pattern ``b`` are::
+
+    row = mix(mix(mix(seed) ^ lo32(r)) ^ hi32(r))
+    h   = mix(row ^ (c * 0x9E3779B9) ^ b)
+
+``mix`` being the 32-bit finaliser of MurmurHash3 (Austin Appleby, public
+domain: xor-shift 16, multiply ``0x85EBCA6B``, xor-shift 13, multiply
+``0xC2B2AE35``, xor-shift 16) and the products taken modulo ``2**32``. So
+the draws are independent **per entry** (equal entries given equal updates
+round apart, so that on average they move as float32 does) and **per
+step**: the ``seed`` mixes :func:`jaxslices.apply_updates`' ``key`` with
+the step the optimizer counts (:func:`step_seed`; the jaxslices
+optimizers count their steps for a low-precision table, so no ``key`` is
+needed). The row is the one of the array written: a table alone and its
+rows stacked in a collection's buffer draw differently (alike in
+distribution), the XLA path and the kernels bitwise alike; a sharding
+plan's buffers read the rows of the collection's buffer they hold
+(``collection._buffers.noise_origin``), so a plan rounds as one device.
 
 How each format rounds:
 
@@ -41,6 +49,7 @@ one rounds down to it); infinities stay infinities and NaN stays NaN.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -54,6 +63,7 @@ __all__ = [
     "noise",
     "round_to",
     "seed_from",
+    "step_seed",
 ]
 
 LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -103,10 +113,35 @@ def seed_from(key: Any) -> jax.Array:
     return h
 
 
-def noise(seed: jax.Array, x: jax.Array) -> jax.Array:
-    """The 32 random bits of each entry of the float32 array ``x``."""
+def step_seed(seed: jax.Array, step: Any) -> jax.Array:
+    """``seed`` (:func:`seed_from`) mixed with an optimizer's step count
+    (``None``: ``seed`` as it is), so every step draws anew."""
+    if step is None:
+        return seed
+    step = jnp.asarray(step)
+    return mix32(_u32(seed) ^ mix32(_u32(step) + np.uint32(0x9E3779B9)))
+
+
+def _row_words(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    rows = jnp.asarray(rows)
+    lo = _u32(rows)
+    hi = _u32(rows >> 32) if rows.dtype.itemsize == 8 else jnp.zeros_like(lo)
+    return lo, hi
+
+
+def noise(seed: jax.Array, x: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+    """The 32 random bits of each entry of the float32 rows ``x`` ``[K, R]``.
+
+    ``rows`` ``[K]``: the row of the array written that each of ``x``'s rows
+    is (default ``0 .. K-1``); columns are ``0 .. R-1``.
+    """
+    if rows is None:
+        rows = jnp.arange(x.shape[0], dtype=jnp.int32)
+    lo, hi = _row_words(rows)
+    row = mix32(mix32(mix32(_u32(seed)) ^ lo) ^ hi)
+    cols = jnp.arange(x.shape[1], dtype=jnp.uint32) * np.uint32(0x9E3779B9)
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return mix32(mix32(_u32(seed)) ^ bits)
+    return mix32(row[:, None] ^ cols[None, :] ^ bits)
 
 
 def _round_bf16(x: jax.Array, h: jax.Array) -> jax.Array:
@@ -138,19 +173,29 @@ def _round_f16(x: jax.Array, h: jax.Array) -> jax.Array:
 
 
 def round_to(
-    x: jax.Array, dtype: Any, *, stochastic: bool, seed: jax.Array | None = None
+    x: jax.Array,
+    dtype: Any,
+    *,
+    stochastic: bool,
+    seed: jax.Array | None = None,
+    rows: jax.Array | None = None,
 ) -> jax.Array:
     """``x`` (computed in float32) rounded into ``dtype``, entry by entry.
 
     Round to nearest unless ``stochastic`` and ``dtype`` is bfloat16 or
-    float16; a wider ``dtype`` is a plain cast.
+    float16; a wider ``dtype`` is a plain cast. ``x`` is ``[K, *row]``
+    (rows of the array written, ``rows`` ``[K]`` their indices there;
+    default ``0 .. K-1``: ``x`` is the whole array); a scalar is one row.
     """
     dtype = jnp.dtype(dtype)
     if not stochastic or dtype not in LOW_PRECISION:
         return x.astype(dtype)
     x = jnp.asarray(x).astype(jnp.float32)
+    shape = x.shape
+    rows_of = (1, 1) if x.ndim == 0 else (shape[0], math.prod(shape[1:]))
+    flat = x.reshape(rows_of)
     seed = jnp.zeros((), jnp.uint32) if seed is None else seed
-    h = noise(seed, x)
-    out = _round_bf16(x, h) if dtype == jnp.bfloat16 else _round_f16(x, h)
-    special = ~jnp.isfinite(x)
-    return jnp.where(special, x.astype(dtype), out)
+    h = noise(seed, flat, rows)
+    out = _round_bf16(flat, h) if dtype == jnp.bfloat16 else _round_f16(flat, h)
+    special = ~jnp.isfinite(flat)
+    return jnp.where(special, flat.astype(dtype), out).reshape(shape)

@@ -65,7 +65,9 @@ _SHARDED = threading.local()
 
 
 @contextmanager
-def rows_sharded_over(axis: str, shards: int | None = None) -> Iterator[None]:
+def rows_sharded_over(
+    axis: str, shards: int | None = None, origins: dict[str, Any] | None = None
+) -> Iterator[None]:
     """While tracing a per-shard optimizer step: slices hold this shard's rows.
 
     :func:`jaxslices.sharding.sharded_update` and
@@ -76,14 +78,34 @@ def rows_sharded_over(axis: str, shards: int | None = None) -> Iterator[None]:
     ``clip_by_global_norm``, the non-finite count of ``apply_if_finite``)
     must then be summed over the shards too (:func:`sum_over_shards`), and a
     transform that needs a row's place in the whole table (the per-table
-    ones) finds it with :func:`shard_rows`.
+    ones) finds it with :func:`shard_rows`. ``origins``: per leaf path
+    (``jax.tree_util.keystr``), ``(static origin, sharded)``: where the
+    stochastic rounding of a state row reads its row (:func:`noise_origin`).
     """
-    previous = getattr(_SHARDED, "axis", None), getattr(_SHARDED, "shards", None)
-    _SHARDED.axis, _SHARDED.shards = axis, shards
+    previous = (
+        getattr(_SHARDED, "axis", None),
+        getattr(_SHARDED, "shards", None),
+        getattr(_SHARDED, "origins", None),
+    )
+    _SHARDED.axis, _SHARDED.shards, _SHARDED.origins = axis, shards, origins
     try:
         yield
     finally:
-        _SHARDED.axis, _SHARDED.shards = previous
+        _SHARDED.axis, _SHARDED.shards, _SHARDED.origins = previous
+
+
+def noise_origin(path: Any, num_rows: int) -> Any:
+    """Inside :func:`rows_sharded_over` with ``origins``: the row origin
+    (``kernels._ops.noise_rows``) of the leaf at ``path`` with ``num_rows``
+    local rows, a sharded leaf's base its shard's first row; else ``None``
+    (the rows themselves)."""
+    origins = getattr(_SHARDED, "origins", None) or {}
+    static, sharded = origins.get(jax.tree_util.keystr(tuple(path)), (None, False))
+    if static is None:
+        return None
+    static = jax.numpy.asarray(static)
+    base = jax.lax.axis_index(_SHARDED.axis) * num_rows if sharded else 0
+    return jax.numpy.concatenate([jax.numpy.asarray(base, static.dtype)[None], static])
 
 
 def shard_rows(num_rows: int) -> tuple[int, Any] | None:

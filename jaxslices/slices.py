@@ -188,6 +188,7 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
         "_sorted",
         "_recipe",
         "_lost_by",
+        "_step",
     )
     __hash__ = None  # type: ignore[assignment]
     # Make NumPy defer to our reflected operators (np.ndarray + IndexedSlices).
@@ -231,7 +232,7 @@ class IndexedSlices(metaclass=_IndexedSlicesType):
         self._indices = indices
         self.dense_shape = dense_shape
         self._unique = self._sorted = False
-        self._recipe = self._lost_by = None
+        self._recipe = self._lost_by = self._step = None
 
     # -- pytree ---------------------------------------------------------------
     def tree_flatten_with_keys(self):
@@ -478,7 +479,7 @@ def _build(values: Any, typed_indices: Any, dense_shape: tuple[int, ...]):
     out = object.__new__(IndexedSlices)
     out.values, out._indices, out.dense_shape = values, typed_indices, dense_shape
     out._unique = out._sorted = False
-    out._recipe = out._lost_by = None
+    out._recipe = out._lost_by = out._step = None
     return out
 
 
@@ -521,7 +522,24 @@ def _with_flags(
     out = _build(s.values, s._indices, s.dense_shape)
     out._unique, out._sorted = bool(unique_indices), bool(indices_sorted)
     out._recipe, out._lost_by = s._recipe, s._lost_by  # the same values
+    out._step = s._step
     return out
+
+
+def with_step(s: IndexedSlices, step: Any) -> IndexedSlices:
+    """``s`` (an update) carrying the optimizer's step count, which seeds the
+    stochastic rounding of a low-precision table's apply
+    (:func:`jaxslices._rounding.step_seed`). Not a pytree child: what
+    rebuilds the slices from their leaves drops it (the rounding then
+    draws per entry, not per step, unless ``apply_updates`` has a ``key``)."""
+    out = _with_flags(s, unique_indices=s._unique, indices_sorted=s._sorted)
+    out._step = step
+    return out
+
+
+def step_of(s: IndexedSlices) -> Any:
+    """The step count :func:`with_step` gave ``s``, or ``None``."""
+    return s._step
 
 
 def with_recipe(s: IndexedSlices, recipe: PooledGradient) -> IndexedSlices:
@@ -550,8 +568,41 @@ def scale_values(
     recipe: the result has none, and records that ``by`` lost it.
     """
     out = _replace_values(s, values, lost_by=f"{by} by a non-scalar factor")
-    if s._recipe is not None and jnp.ndim(factor) == 0:
-        out._recipe, out._lost_by = s._recipe.scaled(factor), None
+    if jnp.ndim(factor) != 0:
+        return out
+    if s._recipe is not None:  # (a lost pooled form stays lost: its rows)
+        out._recipe, out._lost_by = s._recipe.scaled(factor), s._lost_by
+    elif _rounding.is_low_precision(s.values.dtype):
+        # A low-precision gradient scaled (-lr * g): its product kept in
+        # float32 as the rows' recipe, so the apply rounds it once, on both
+        # paths (the values hold it rounded to their dtype).
+        rows = PooledGradient.of_rows(s.values.astype(jnp.float32))
+        out._recipe = rows.scaled(factor)
+    return out
+
+
+def float32_rows(s: IndexedSlices) -> IndexedSlices:
+    """``s`` with float32 values: the rows its pooled gradient makes where it
+    carries one (the rows a native kernel reads: a scaled gradient's
+    ``-lr * g`` before any rounding to a low-precision dtype), else its
+    values widened; indices, flags and recipe kept, padding slots zero.
+
+    The XLA path of a low-precision table computes on these, so that it
+    rounds once, where the kernels do, and to the same bits.
+    """
+    if s._recipe is None:
+        values = s.values.astype(jnp.float32)
+    else:
+        rows = s._recipe.values(s.num_slices).astype(jnp.float32)
+        valid = valid_mask(s).reshape((-1, 1))
+        rows = jnp.where(valid, rows, jnp.zeros((), rows.dtype))
+        values = rows.reshape((s.num_slices, *s.row_shape))
+    out = _with_flags(
+        _build(values, s._indices, s.dense_shape),
+        unique_indices=s._unique,
+        indices_sorted=s._sorted,
+    )
+    out._recipe, out._lost_by = s._recipe, s._lost_by
     return out
 
 
@@ -562,7 +613,7 @@ def kernel_input(s: IndexedSlices, where: str) -> PooledGradient:
     :func:`jaxslices.kernels.explain`, with why (the operation that lost the
     pooled gradient, when the slices had one).
     """
-    if s._recipe is not None:
+    if s._recipe is not None and s._lost_by is None:
         return s._recipe
     rows = f"[{s.num_slices}, {max(1, int(np.prod(s.row_shape)))}]"
     if s._lost_by is not None:
@@ -579,7 +630,8 @@ def kernel_input(s: IndexedSlices, where: str) -> PooledGradient:
             "NNX variable's value)"
         )
     kernel_path.note_materialised(where, why)
-    return PooledGradient.of_rows(s.values)
+    # (a low-precision gradient's scaled rows keep their float32 product)
+    return PooledGradient.of_rows(s.values) if s._recipe is None else s._recipe
 
 
 def _dense_operand(x: Any, s: IndexedSlices, opname: str) -> jax.Array:
@@ -987,55 +1039,79 @@ def _scatter_add(x: Any, s: IndexedSlices, where: str) -> jax.Array:
     it, and adding each id's row in turn, as XLA's scatter-add does
     (docs/kernels.md, "Plain SGD adds each id's row to the table in turn").
     """
-    # Coalesced slices (distinct valid ids; padding is out of bounds, so
-    # dropped) promise XLA unique (and maybe sorted) indices: a cheaper scatter.
-    flags = {"unique_indices": s.unique_indices, "indices_are_sorted": s.indices_sorted}
-    given = s
-    x, s = _check_target(x, s, where)
-    if x.ndim >= 1 and kernel_path.route(where, x, s.values):
-        recipe = kernel_input(given, where)
-        # The table whole (a reshape in between would make XLA copy it).
-        return kernel_ops.apply(
-            x, recipe, s.indices, coalesced=flags["unique_indices"], label=where
-        )
-    values = s.values.astype(x.dtype)
-    return x.at[safe_indices(s)].add(values, mode="drop", **flags)
+    return _apply(x, s, where)
 
 
 def _scatter_rounded(
-    x: Any, s: IndexedSlices, where: str, *, stochastic: bool, seed: Any
+    x: Any,
+    s: IndexedSlices,
+    where: str,
+    *,
+    stochastic: bool,
+    seed: Any,
+    origin: Any = None,
 ) -> jax.Array:
     """Add ``s`` to a bfloat16/float16 ``x`` in float32, one rounding per row.
 
     Duplicates are summed in float32 first, each touched row is read,
     ``row + sum`` computed in float32 and written back rounded (to nearest,
     or stochastically: :mod:`jaxslices._rounding`), so a row is rounded once
-    per step whatever its number of duplicates.
+    per step whatever its number of duplicates. The rows added are the
+    pooled gradient's float32 rows where the slices carry it (a scaled
+    gradient, ``-lr * g``, is not rounded to the table's dtype first), on
+    both paths. ``origin``: where the noise reads each row
+    (:func:`jaxslices.kernels._ops.noise_rows`; ``None``: the row itself).
+    """
+    return _apply(
+        x, s, where, low=True, stochastic=stochastic, seed=seed, origin=origin
+    )
+
+
+def _apply(
+    x: Any,
+    s: IndexedSlices,
+    where: str,
+    *,
+    low: bool = False,
+    stochastic: bool = False,
+    seed: Any = None,
+    origin: Any = None,
+) -> jax.Array:
+    """The one apply: ``kernel_ops.apply``, bound on either path.
+
+    :func:`jaxslices.kernels._path.decide` decides (and the op records) the
+    path; its lowering runs the kernel or the op's XLA reference. On the XLA
+    path the rows are laid out on a mesh first (``_check_target``); a
+    low-precision table reads the pooled gradient's float32 rows there too.
     """
     given = s
     x, s = _check_target(x, s, where)
-    if s.num_slices == 0:
+    if low and s.num_slices == 0:
         return x
-    if x.ndim >= 1 and kernel_path.route(where, tables=(x, s.values)):
-        # The native kernel: the same sums, additions and rounding, in place.
-        return kernel_ops.apply(
-            x,
-            kernel_input(given, where),
-            s.indices,
-            coalesced=s.unique_indices,
-            sum_duplicates=True,
-            stochastic=stochastic,
-            seed=seed,
-            label=where,
+    # Coalesced slices (distinct valid ids; padding is out of bounds, so
+    # dropped) promise XLA unique (and maybe sorted) indices: a cheaper scatter.
+    flags = {"coalesced": s.unique_indices, "indices_sorted": s.indices_sorted}
+    if low:
+        flags.update(
+            sum_duplicates=True, stochastic=stochastic, seed=seed, origin=origin
         )
-    # Summed in float32 (coalescing bfloat16 values would round each sum).
-    c = coalesce_bounded(s.astype(jnp.float32), "auto", None, where)
-    flags = {"unique_indices": True, "indices_are_sorted": c.indices_sorted}
-    idx = safe_indices(c)
-    old = x.at[idx].get(mode="fill", fill_value=0, **flags)
-    total = old.astype(jnp.float32) + c.values.astype(jnp.float32)
-    new = _rounding.round_to(total, x.dtype, stochastic=stochastic, seed=seed)
-    return x.at[idx].set(new, mode="drop", **flags)
+    reason = kernel_path.decide(tables=(x, s.values))
+    if not reason:
+        # The table whole (a reshape in between would make XLA copy it).
+        recipe = kernel_input(given, where)
+    elif low:  # the float32 rows the kernel would read, laid out as `s`
+        rows = _spmd.replicate_rows(x, float32_rows(given).values)
+        recipe = PooledGradient.of_rows(rows)
+    else:
+        recipe = PooledGradient.of_rows(s.values)
+    return kernel_ops.apply(
+        x,
+        recipe,
+        s.indices,
+        **flags,
+        reason=reason,
+        label=where,
+    )
 
 
 def scatter_sub(x: jax.Array, s: IndexedSlices) -> jax.Array:

@@ -22,7 +22,12 @@ _WHERE = "jaxslices.apply_updates"
 
 
 def _apply_leaf(
-    path: Any, p: Any, u: Any, stochastic: bool | None = None, seed: Any = None
+    path: Any,
+    p: Any,
+    u: Any,
+    stochastic: bool | None = None,
+    seed: Any = None,
+    origin: Any = None,
 ) -> Any:
     where = _leaves.label(_WHERE, path)
     if p is None:
@@ -47,7 +52,10 @@ def _apply_leaf(
     if isinstance(u, IndexedSlices):
         if low:
             sr = True if stochastic is None else stochastic
-            return slices._scatter_rounded(p, u, where, stochastic=sr, seed=seed)
+            seed = _rounding.step_seed(seed, slices.step_of(u))
+            return slices._scatter_rounded(
+                p, u, where, stochastic=sr, seed=seed, origin=origin
+            )
         return slices._scatter_add(p, u, where)  # lays the rows out on a mesh first
     if low and stochastic:  # dense leaves round stochastically when asked
         total = p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)
@@ -80,12 +88,13 @@ def apply_updates(
     half an ulp of the weight survives on average (docs/optax.md,
     "Low-precision tables"). ``stochastic_rounding=False`` rounds to
     nearest. Dense low-precision leaves round to nearest, as Optax, unless
-    ``stochastic_rounding=True``. The rounding noise is a hash of ``key``,
-    the row, the column and the float32 value (:mod:`jaxslices._rounding`),
-    the same on the XLA path and the native kernels: deterministic, and
-    different whenever the value differs; pass ``key`` (the step, or a
-    ``jax.random`` key) to make two steps' draws independent when the values
-    can repeat exactly.
+    ``stochastic_rounding=True``. The rounding noise is a hash of the seed,
+    the entry's row and column and its float32 value
+    (:mod:`jaxslices._rounding`), bitwise the same on the XLA path and the
+    native kernels: independent per entry, and per step, the seed mixing
+    ``key`` with the step count a jaxslices optimizer gives its sparse
+    updates of a low-precision table (no ``key`` needed; ``key`` makes
+    another reproducible draw, e.g. per run).
 
     :func:`optax.apply_updates` also works with slices updates (it computes
     ``p + u``, which ``IndexedSlices`` turns into a scatter-add); this function
@@ -100,8 +109,10 @@ def apply_updates(
         params: ``None`` (default) stochastically for sparse updates and to
         nearest for dense ones; ``True`` stochastically for both; ``False``
         to nearest. Float32 and wider params are unaffected.
-      key: the seed of stochastic rounding: ``None`` (0), an integer such
-        as the step, or a ``jax.random`` key.
+      key: the seed of stochastic rounding: ``None`` (0), an integer, or a
+        ``jax.random`` key; mixed with the optimizer's step count where the
+        updates carry one (the jaxslices optimizers' on a low-precision
+        table).
 
     Returns:
       The updated params, each leaf in its original dtype.
@@ -123,6 +134,21 @@ def apply_updates(
              [1., 1.],
              [0., 0.]], dtype=float32)
     """
+    return apply_leaves(params, updates, stochastic_rounding, key)
+
+
+def apply_leaves(
+    params: Any,
+    updates: Any,
+    stochastic_rounding: bool | None,
+    key: Any,
+    origins: Any = None,
+) -> Any:
+    """:func:`apply_updates`, with ``origins``: a function ``leaf index ->``
+    where the rounding noise reads the rows of that leaf of
+    ``jax.tree.leaves(params)`` (:func:`jaxslices.kernels._ops.noise_rows`;
+    ``None``: the rows themselves). A sharding plan's step gives its buffers'
+    rows the rows of the collection's buffers, so it rounds as one device."""
     _leaves.check_structure(_WHERE, params, "params", updates, "updates")
     if not (stochastic_rounding is None or isinstance(stochastic_rounding, bool)):
         raise TypeError(
@@ -130,9 +156,19 @@ def apply_updates(
             f"Python value: it chooses the program); got {stochastic_rounding!r}."
         )
     seed = _rounding.seed_from(key)
+    if origins is None:
+        return jax.tree_util.tree_map_with_path(
+            lambda path, p, u: _apply_leaf(path, p, u, stochastic_rounding, seed),
+            params,
+            updates,
+            is_leaf=_leaves.is_leaf,
+        )
+    index = iter(range(len(jax.tree.leaves(params))))
+
+    def leaf(path, p, u):
+        origin = None if p is None else origins(next(index))
+        return _apply_leaf(path, p, u, stochastic_rounding, seed, origin)
+
     return jax.tree_util.tree_map_with_path(
-        lambda path, p, u: _apply_leaf(path, p, u, stochastic_rounding, seed),
-        params,
-        updates,
-        is_leaf=_leaves.is_leaf,
+        leaf, params, updates, is_leaf=_leaves.is_leaf
     )

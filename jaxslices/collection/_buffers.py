@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["Buffer", "Layout", "Placement", "stacked"]
+__all__ = ["Buffer", "Layout", "Placement", "noise_origin", "stacked"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,3 +134,32 @@ def stacked(tables: Any) -> Layout:
             start += t.rows
         buffers.append(Buffer(name, dim, dtype, start, tuple(segments)))
     return Layout(tuple(buffers), tuple(placements))
+
+
+def noise_origin(layout: Layout, home: Layout, name: str) -> np.ndarray | None:
+    """Where the stochastic rounding's noise reads the rows of ``layout``'s
+    buffer ``name``: the rows of ``home`` (the collection's own layout)
+    that they hold, as the static part of an apply's row origin (pairs
+    ``first, coord`` sorted by ``first``; ``kernels._ops.noise_rows``), so
+    a plan's buffers round as the collection's on one device. ``None``: no
+    table there. Column pieces map to their row (their columns are the
+    piece's own).
+    """
+    rows = {t: n for b in home.buffers for _, n, t in b.segments if t is not None}
+    buffer = layout.buffer(name)
+    pairs = []
+    for table, placed in layout.placements:
+        if placed.buffer != name:
+            continue
+        at_home = home.placement(table)
+        for q in range(-(-rows[table] // placed.chunk)):
+            first = np.asarray([q * placed.chunk])
+            for j in range(buffer.pieces):
+                pairs.append(
+                    (int(placed.rows_of(first, j)[0]), int(at_home.rows_of(first)[0]))
+                )
+    if not pairs:
+        return None
+    flat = np.asarray(sorted(pairs), np.int64).reshape(-1)
+    small = flat.max(initial=0) < 2**31
+    return flat.astype(np.int32 if small else np.int64)

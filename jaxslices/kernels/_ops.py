@@ -303,23 +303,31 @@ def _recipe_args(recipe: PooledGradient) -> tuple[list[Any], dict[str, bool]]:
     present = {
         "has_bag": recipe.bag is not None,
         "has_weight": recipe.weight is not None,
+        # The reference multiplies by no scale of 1 (the kernels' operand).
+        "has_scale": recipe.scale is not None,
     }
     # The kernels sum in float32: a bfloat16/float16 gradient (a low-precision
     # table's) is widened here ([M, R], exact), so the reference sums in
-    # float32 too.
-    return [_f32(recipe.src), bag, weight, scale], present
+    # float32 too (a wider one, on the XLA path only, stays as it is).
+    src = jnp.asarray(recipe.src)
+    if jnp.issubdtype(src.dtype, jnp.inexact):
+        src = src.astype(jnp.promote_types(src.dtype, jnp.float32))
+    return [src, bag, weight, scale], present
 
 
-def _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length):
+def _materialize(
+    src, ids, bag, weight, scale, has_bag, has_weight, length, has_scale=True
+):
     n = ids.shape[0]
     if n == 0:  # no slots (ids [B, 0] of a recipe whose src is [B, R])
         return jnp.zeros((0, src.shape[1]), src.dtype)
+    exact = not jnp.issubdtype(src.dtype, jnp.inexact)  # an integer table's rows
     return PooledGradient(
         src,
         bag if has_bag else None,
         length,
         weight if has_weight else None,
-        scale,
+        None if exact or not has_scale else scale,
     ).values(n)
 
 
@@ -451,26 +459,52 @@ def rowwise(
 
 
 def _apply_reference(
-    table, src, ids, bag, weight, scale, seed, *, has_bag, has_weight, coalesced,
-    length, stochastic, **_,
+    table, src, ids, bag, weight, scale, seed, origin=None, *, has_bag, has_weight,
+    coalesced, length, stochastic, indices_sorted=False, has_scale=True, **_,
 ):  # fmt: skip
-    values = _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length)
+    values = _materialize(
+        src, ids, bag, weight, scale, has_bag, has_weight, length, has_scale
+    )
     num_rows = table.shape[0]
     safe = jnp.where((ids >= 0) & (ids < num_rows), ids, num_rows)
     if _rounding.is_low_precision(table.dtype):
-        return [_apply_rounded(table, values, safe, seed, coalesced, stochastic)]
+        if origin is None:
+            origin = jnp.asarray(identity_origin(ids.dtype))
+        rounded = _apply_rounded(
+            table, values, safe, seed, origin, coalesced, stochastic
+        )
+        return [rounded]
     values = values.reshape((-1, *table.shape[1:]))
     out = table.at[safe].add(
-        values.astype(table.dtype), mode="drop", unique_indices=coalesced
+        values.astype(table.dtype),
+        mode="drop",
+        unique_indices=coalesced,
+        indices_are_sorted=coalesced and indices_sorted,
     )
     return [out]
 
 
-def _apply_rounded(table, values, safe, seed, coalesced, stochastic):
+def noise_rows(origin: jax.Array, ids: jax.Array) -> jax.Array:
+    """Where the rounding noise reads each of the rows ``ids``: ``origin`` is
+    ``[base, first_0, coord_0, first_1, coord_1, ...]`` (``csrc/apply.cc``'s
+    ``Origin``), row ``i`` reads ``g - first_k + coord_k``, ``g = i + base``."""
+    first, coord = origin[1::2], origin[2::2]
+    g = ids + origin[0]
+    k = jnp.clip(jnp.searchsorted(first, g, side="right") - 1, 0, first.shape[0] - 1)
+    return g - first[k] + coord[k]
+
+
+def identity_origin(dtype: Any) -> np.ndarray:
+    """The origin of rows read where they are (``[0, 0, 0]``)."""
+    return np.zeros((3,), dtype)
+
+
+def _apply_rounded(table, values, safe, seed, origin, coalesced, stochastic):
     """A bfloat16/float16 table plus float32 rows ``[N, R]``, rounded once per row.
 
     Duplicates summed in float32 (slot order), each touched row read and
-    added in float32, written back rounded (:func:`_rounding.round_to`).
+    added in float32, written back rounded (:func:`_rounding.round_to`, the
+    noise of each entry's row and column).
     """
     num_rows = table.shape[0]
     if values.shape[0] == 0:
@@ -482,7 +516,10 @@ def _apply_rounded(table, values, safe, seed, coalesced, stochastic):
     gather = {"mode": "fill", "fill_value": 0, "unique_indices": True}
     old = flat_rows(table.at[uids].get(**gather)).astype(jnp.float32)
     total = old + summed
-    new = _rounding.round_to(total, table.dtype, stochastic=stochastic, seed=seed)
+    rows = noise_rows(origin, uids)
+    new = _rounding.round_to(
+        total, table.dtype, stochastic=stochastic, seed=seed, rows=rows
+    )
     new = new.reshape((-1, *table.shape[1:]))
     return table.at[uids].set(new, mode="drop", unique_indices=True)
 
@@ -515,12 +552,24 @@ def apply(
     ids: jax.Array,
     *,
     coalesced: bool = False,
+    indices_sorted: bool = False,
     sum_duplicates: bool = False,
     stochastic: bool = False,
     seed: Any = None,
+    origin: Any = None,
+    reason: str = "",
     label: str = "",
 ) -> jax.Array:
     """``table`` ``[V, *row]`` plus the recipe's rows at ``ids``, in place.
+
+    The one body of the update of a table (``jaxslices.apply_updates``,
+    ``scatter_add``, ``IndexedSlices + array``): the primitive is bound
+    whatever the path, with :func:`_path.decide`'s ``reason`` (``""``:
+    native); its lowering runs the kernel or this op's XLA reference, which
+    is the XLA path. ``coalesced``
+    (distinct valid ids) and ``indices_sorted`` are XLA's scatter promises.
+    ``origin`` (ids' dtype, :func:`noise_rows`): where the stochastic
+    rounding's noise reads each row (``None``: the row itself).
 
     A bfloat16 or float16 ``table``: the rows of each id are summed in
     float32 (in slot order), added to the row in float32 and the row
@@ -540,17 +589,22 @@ def apply(
     check_ids_dtype(ids, label or "apply")
     args, present = _recipe_args(recipe)
     seed = jnp.zeros((), jnp.uint32) if seed is None else jnp.asarray(seed, jnp.uint32)
+    if origin is None:
+        origin = identity_origin(ids.dtype)
     (out,) = _APPLY.bind(
         table,
         args[0],
         ids,
         *args[1:],
         seed,
+        jnp.asarray(origin, ids.dtype),
         **present,
         coalesced=bool(coalesced),
+        indices_sorted=bool(indices_sorted),
         sum_duplicates=bool(sum_duplicates),
         stochastic=bool(stochastic),
         length=int(recipe.length),
+        reason=str(reason),
         label=label,
     )
     return out

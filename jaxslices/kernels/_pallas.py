@@ -449,8 +449,8 @@ def rowwise(
 
 
 def apply(
-    table, src, ids, bag, weight, scale, _seed=None, *, has_bag, has_weight,
-    length, interpret=False, **_,
+    table, src, ids, bag, weight, scale, _seed=None, _origin=None, *, has_bag,
+    has_weight, length, interpret=False, **_,
 ):  # fmt: skip
     """``table`` plus the recipe's rows at ``ids``, in place (Pallas).
 

@@ -245,6 +245,8 @@ def decide(
         if x is None:
             continue
         dtype = jnp.result_type(x)
+        if is_table and not jnp.issubdtype(dtype, jnp.inexact):
+            return f"a {jnp.dtype(dtype).name} table (the kernels take float tables)"
         if jnp.issubdtype(dtype, jnp.inexact) and dtype not in allowed:
             names = ", ".join(jnp.dtype(d).name for d in allowed)
             if not is_table and jnp.dtype(dtype) in TABLE_DTYPES:

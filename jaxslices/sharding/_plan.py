@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _leaves
 from ..collection import EmbeddingCollection
+from ..collection._buffers import noise_origin
 from ..collection._face import CollectionFace
 from . import _cost, _layout, _replay, _routing
 from ._layout import KINDS, kind_and_device
@@ -450,20 +451,23 @@ class ShardingPlan(CollectionFace):
 
         ``stochastic_rounding`` and ``key``: how bfloat16/float16 buffers
         are written, as in :func:`jaxslices.apply_updates` (the rounding
-        reads the value, not the row, so every plan rounds as one device).
+        noise of a buffer row, and of its optimizer state row, reads the row
+        of the collection's buffer it holds, so a plan rounds its tables as
+        the collection on one device, column-wise pieces excepted).
 
         Returns:
           ``(new_params, new_state)``.
         """
         by_name = {b.name: b for b in self.buffers}
         found = jax.tree_util.tree_flatten_with_path(params)[0]
-        routes = []
+        routes, origins = [], []
         for path, leaf in found:
             b = by_name.get(_leaves.named_in_path(path, by_name))
             shape = tuple(getattr(leaf, "shape", ()))
-            routes.append(
-                self._routes.get(b.name) if b is not None and shape == b.shape else None
-            )
+            mine = b is not None and shape == b.shape
+            routes.append(self._routes.get(b.name) if mine else None)
+            home = self.collection.layout
+            origins.append(noise_origin(self.layout, home, b.name) if mine else None)
         return _routing.update(
             tx,
             grads,
@@ -473,6 +477,7 @@ class ShardingPlan(CollectionFace):
             "ShardingPlan.update",
             stochastic_rounding=stochastic_rounding,
             key=key,
+            origins=origins,
         )
 
     def estimate_capacity(

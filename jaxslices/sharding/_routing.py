@@ -307,8 +307,13 @@ def update(
     *,
     stochastic_rounding: bool | None = None,
     key: Any = None,
+    origins: Sequence[Any] | None = None,
 ) -> tuple[Any, Any]:
     """``tx.update`` then ``apply_updates``, each sharded leaf on its owners.
+
+    ``origins``: one per leaf of ``params`` (``None``, or where the
+    rounding noise reads the leaf's global rows:
+    :func:`jaxslices.collection._buffers.noise_origin`).
 
     ``routes``: one per leaf of ``params`` (in ``jax.tree.leaves`` order), a
     :class:`Route` for a row-sharded table, ``None`` for a replicated leaf.
@@ -323,16 +328,26 @@ def update(
     (:func:`jaxslices._spmd.rows_sharded_over`).
     """
     leaves, treedef = jax.tree.flatten(params)
+    flat_with_paths = jax.tree_util.tree_flatten_with_path(params)[0]
     routes = list(routes)
     g_leaves = treedef.flatten_up_to(grads)
     if len(routes) != len(leaves):
         raise ValueError(f"{where}: one route per parameter leaf.")
     routed = [r for r in routes if r is not None and r.routing == "all_to_all"]
     _spmd.routed_step_taken(p for p, r in zip(leaves, routes, strict=True) if r)
-    rounding = {"stochastic_rounding": stochastic_rounding, "key": key}
+    rounding = (stochastic_rounding, key)
+    statics = list(origins) if origins is not None else [None] * len(leaves)
+
+    def origin(i: int, base: Any = 0) -> Any:
+        """Leaf ``i``'s row origin, its local row 0 being global row ``base``."""
+        if statics[i] is None:
+            return None
+        st = jnp.asarray(statics[i])
+        return jnp.concatenate([jnp.asarray(base, st.dtype)[None], st])
+
     if not routed:
         upd, state = tx.update(grads, state, params)
-        return updates_.apply_updates(params, upd, **rounding), state
+        return updates_.apply_leaves(params, upd, *rounding, origin), state
     route0 = routed[0]
     mesh, axis = route0.mesh, route0.axis
     for r in routes:
@@ -383,9 +398,18 @@ def update(
             local_grads.append(g)
         grads_ = jax.tree.unflatten(treedef, local_grads)
         params_ = jax.tree.unflatten(treedef, p_flat)
-        with _spmd.rows_sharded_over(axis, shards):  # global norms sum over shards
+        paths = [jax.tree_util.keystr(k) for k, _ in flat_with_paths]
+        by_path = {k: (statics[i], routes[i] is not None) for i, k in enumerate(paths)}
+        # global norms sum over shards; state rows round where the apply's do
+        with _spmd.rows_sharded_over(axis, shards, by_path):
             updates, new_state = tx.update(grads_, state, params_)
-        new = updates_.apply_updates(params_, updates, **rounding)
+        shard = jax.lax.axis_index(axis)
+
+        def local_origin(i):  # a sharded leaf's local rows start at its shard's
+            rows = num_rows[i] // shards if routes[i] is not None else 0
+            return origin(i, shard * rows)
+
+        new = updates_.apply_leaves(params_, updates, *rounding, local_origin)
         return jax.tree.leaves(new), new_state
 
     new_leaves, new_state = _shard_map(
@@ -576,4 +600,6 @@ def sharded_update(
         if t:
             _resolve(p, mesh, axis, where)  # rows divide evenly
     routes = [route if t else None for t in tables]
-    return update(tx, grads, state, params, routes, where, **rounding)
+    # A sharded table's rows round where they are in the whole table.
+    origins = [np.zeros((2,), np.int32) if t else None for t in tables]
+    return update(tx, grads, state, params, routes, where, **rounding, origins=origins)

@@ -221,18 +221,23 @@ def rows(x: Any, c: IndexedSlices) -> jax.Array:
 
 
 def set_rows(
-    x: Any, c: IndexedSlices, new_rows: jax.Array, seed: Any = None
+    x: Any, c: IndexedSlices, new_rows: jax.Array, seed: Any = None, origin: Any = None
 ) -> jax.Array:
     """Write ``new_rows`` into ``x`` at ``c``'s (unique) indices; padding dropped.
 
     With a ``seed``, rows of a bfloat16/float16 ``x`` are rounded
-    stochastically (:mod:`jaxslices._rounding`), else to nearest.
+    stochastically (:mod:`jaxslices._rounding`; the noise reads each row
+    where ``origin`` puts it, :func:`jaxslices.kernels._ops.noise_rows`),
+    else to nearest.
     """
     x = jnp.asarray(x)
     flags = promises(c)  # a layout constraint rebuilds c without its flags
     idx, new_rows = _spmd.replicate_rows(x, (slices.safe_indices(c), new_rows))
     if seed is not None and _rounding.is_low_precision(x.dtype):
-        new_rows = _rounding.round_to(new_rows, x.dtype, stochastic=True, seed=seed)
+        at = idx if origin is None else kernel_ops.noise_rows(origin, idx)
+        new_rows = _rounding.round_to(
+            new_rows, x.dtype, stochastic=True, seed=seed, rows=at
+        )
     return x.at[idx].set(new_rows.astype(x.dtype), mode="drop", **flags)
 
 
@@ -241,6 +246,21 @@ def set_rows(
 _ROUNDED_LATER: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "jaxslices_rounded_later", default=False
 )
+
+
+#: The dtype of the gradient a rule's float32 rows were widened from (a
+#: low-precision table's): a state Optax keeps in the gradient's dtype
+#: (:func:`grad_dtype`) keeps it.
+_GRAD_DTYPE: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "jaxslices_grad_dtype", default=None
+)
+
+
+def grad_dtype(g: Any) -> Any:
+    """The dtype of the gradient ``g`` stands for (``g`` may be its float32
+    rows, widened from a bfloat16/float16 gradient)."""
+    given = _GRAD_DTYPE.get()
+    return jnp.result_type(g) if given is None else given
 
 
 def state_as(x: Any, dtype: Any) -> Any:
@@ -255,7 +275,8 @@ def _round_state(x: Any, dtype: Any, seed: jax.Array) -> jax.Array:
 
 def state_seed(name: str, i: int) -> jax.Array:
     """The rounding seed of a transform's ``i``-th state tree (fixed per state,
-    so two states' draws differ; the hash also reads the value)."""
+    so two states' draws differ; the hash also reads each entry's row, column
+    and value)."""
     return _rounding.mix32(jnp.asarray(zlib.crc32(f"{name}/{i}".encode()), jnp.uint32))
 
 
@@ -558,15 +579,17 @@ def rowwise_update(
             check_leaf(name, path, g, x, x_name, want)
         check_leaf(name, path, g, p, "params")
 
-        def run(g_rows, st_rows, p_rows, split, join, wide=False):
+        def run(g_rows, st_rows, p_rows, split, join, wide=False, g_dtype=None):
             parts = []
             for x, (_, _, k) in zip(st_rows, entries, strict=True):
                 parts += list(split(x, k)) if k else [x]
             token = _ROUNDED_LATER.set(wide)
+            dtype_token = _GRAD_DTYPE.set(g_dtype)
             try:
                 upd, new = rule(g_rows, tuple(parts), p_rows)
             finally:
                 _ROUNDED_LATER.reset(token)
+                _GRAD_DTYPE.reset(dtype_token)
             if any(k for *_, k in entries):
                 # The new states as buffers of their own, before they are
                 # packed. Else XLA fuses the rule into the packing and again
@@ -604,6 +627,17 @@ def rowwise_update(
             )
             if done is not None:
                 return Out(done[0], *([done[1]] if st else []))
+        # A low-precision table's gradient or state: one float32 result per
+        # entry, as the kernels compute it. The gradient's float32 rows
+        # (summed in float32), the state read in float32, the rule in
+        # float32, each state written rounded once into its dtype
+        # (stochastically when `sr`; a low-precision state on its write, a
+        # state Optax keeps in the gradient's dtype by the rule:
+        # `grad_dtype`), the update kept in float32 (the apply rounds it once).
+        g_dtype = g.dtype
+        wide = any(low) or _rounding.is_low_precision(g_dtype)
+        if wide:
+            g = slices.float32_rows(g)
         c = coalesce_for_update(g, method, bound, where(name, path))
         p_rows = None if p is None else rows(p, c)
         # A packed (V, k, *row) leaf is gathered and scattered as (V, k * R)
@@ -633,17 +667,30 @@ def rowwise_update(
             return jnp.concatenate([_store_as(q, dtype) for q in rows_], axis=1)
 
         st_rows = tuple(rows(f, c) for f in flat)
-        if sr:
+        if wide:
             st_rows = tuple(r.astype(jnp.float32) for r in st_rows)
-        upd, new = run(c.values, st_rows, p_rows, split, join, wide=sr)
+            if p_rows is not None:
+                p_rows = p_rows.astype(jnp.promote_types(p_rows.dtype, jnp.float32))
+        upd, new = run(
+            c.values, st_rows, p_rows, split, join, wide=any(low), g_dtype=g_dtype
+        )
+        origin = _spmd.noise_origin(path, g.dense_shape[0]) if sr else None
         new_st = tuple(
-            set_rows(f, c, r, state_seed(name, i) if sr else None).reshape(x.shape)
+            set_rows(f, c, r, state_seed(name, i) if sr else None, origin).reshape(
+                x.shape
+            )
             for i, (f, x, r) in enumerate(zip(flat, st, new, strict=True))
         )
         upd = mask_padding(c, jnp.asarray(upd))
-        return Out(_replace_values(c, upd), *new_st)
+        if not wide:
+            return Out(_replace_values(c, upd), *new_st)
+        # The update in the gradient's dtype, its float32 rows as its recipe
+        # (what the apply reads, on both paths).
+        out = _replace_values(c, upd.astype(g_dtype))
+        flat_upd = upd.reshape(upd.shape[0], math.prod(upd.shape[1:]))
+        out = slices.with_recipe(out, PooledGradient(flat_upd.astype(jnp.float32)))
+        return Out(out, *new_st)
 
-    check_stochastic_rounding(stochastic_rounding, name)
     check_stochastic_rounding(stochastic_rounding, name)
     for other_name, other in others:
         _leaves.check_structure(

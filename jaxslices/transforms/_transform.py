@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from .. import _rounding
+from .. import _rounding, slices
 from .._coalesce import check_method
 from ..kernels import _ops as kernel_ops
 from ..slices import IndexedSlices
@@ -28,6 +28,7 @@ from ._rowwise import (
     check_all,
     check_max_distinct,
     check_stochastic_rounding,
+    grad_dtype,
     is_leaf,
     leaf_bounds,
     map_values,
@@ -166,8 +167,61 @@ def scale_by_learning_rate(
         return optax.with_extra_args_support(optax.identity())
     m = -1 if flip_sign else 1
     if callable(learning_rate):
-        return scale_by_schedule(lambda count: m * learning_rate(count))
-    return scale(m * learning_rate)
+        schedule = scale_by_schedule(lambda count: m * learning_rate(count))
+        return _counting_steps(schedule, counts=True)
+    return _counting_steps(scale(m * learning_rate), counts=False)
+
+
+class _EitherState:
+    """What :func:`_counting_steps` inits on optax's params placeholder."""
+
+
+_EITHER_STATE = _EitherState()
+
+
+def _counting_steps(
+    inner: optax.GradientTransformationExtraArgs, *, counts: bool
+) -> optax.GradientTransformationExtraArgs:
+    """``inner`` (the learning-rate scaling every jaxslices optimizer ends
+    with), giving each sparse update its step count: the per-step seed of a
+    low-precision table's stochastic rounding (no ``key`` needed).
+
+    A schedule (``counts``) counts its steps already
+    (:class:`ScaleByScheduleState`); a constant learning rate keeps a count
+    only for params with a bfloat16 or float16 leaf (its state a
+    :class:`ScaleByScheduleState`, else Optax's empty state).
+    """
+
+    def init_fn(params):
+        state = inner.init(params)
+        if type(params).__name__ == "_ParamsPlaceholder":
+            # optax.tree_utils.tree_map_params inits on a placeholder that has
+            # no dtypes: a leaf stands for either state (not params-like).
+            return _EITHER_STATE
+        low = any(
+            _rounding.is_low_precision(getattr(x, "dtype", None))
+            for x in jax.tree.leaves(params)
+        )
+        if counts or not low:
+            return state
+        return ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        if not isinstance(state, ScaleByScheduleState):
+            return inner.update(updates, state, params, **extra_args)
+        count = state.count
+        if counts:
+            updates, state = inner.update(updates, state, params, **extra_args)
+        else:
+            updates, _ = inner.update(updates, optax.EmptyState(), params, **extra_args)
+            state = ScaleByScheduleState(optax.safe_increment(count))
+
+        def stamp(u):
+            return slices.with_step(u, count) if isinstance(u, IndexedSlices) else u
+
+        return jax.tree.map(stamp, updates, is_leaf=is_leaf), state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 # --------------------------------------------------------------- momentum
@@ -737,7 +791,7 @@ def scale_by_lazy_adam(
             m, v = states
             if mu_dtype is not None:
                 # Each moment in its own dtype (the buffer holds the wider).
-                m, v = state_as(m, mu_dtype), state_as(v, jnp.result_type(g))
+                m, v = state_as(m, mu_dtype), state_as(v, grad_dtype(g))
             upd, mu, nu = _adam_math(g, m, v, *hp, nesterov)
             new_mu = mu if mu_dtype is None else state_as(mu, mu_dtype)
             return upd, (new_mu, nu.astype(v.dtype))

@@ -197,23 +197,32 @@ def test_typed_buffers_refuse_a_wrong_dtype_or_rank():
     none_i, none_f = jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.float32)
     src = jnp.ones((2, R), jnp.float32)
     one, seed = jnp.ones((), jnp.float32), jnp.zeros((), jnp.uint32)
-    ok = jax.jit(lambda t: call(t, src, ids, none_i, none_f, one, seed, **attrs))(table)
+    origin = jnp.zeros((3,), jnp.int32)  # where the rounding noise reads a row
+    ok = jax.jit(
+        lambda t: call(t, src, ids, none_i, none_f, one, seed, origin, **attrs)
+    )(table)
     np.testing.assert_array_equal(ok[1:3], 2.0)
     bad_rank = jnp.ones((2 * R,), jnp.float32)
     with pytest.raises(Exception, match="(?i)rank"):
-        jax.jit(lambda t: call(t, bad_rank, ids, none_i, none_f, one, seed, **attrs))(
-            table
-        ).block_until_ready()
+        jax.jit(
+            lambda t: call(t, bad_rank, ids, none_i, none_f, one, seed, origin, **attrs)
+        )(table).block_until_ready()
     bad_dtype = ids.astype(jnp.uint32)
     with pytest.raises(Exception, match="(?i)type"):
-        jax.jit(lambda t: call(t, src, bad_dtype, none_i, none_f, one, seed, **attrs))(
-            table
-        ).block_until_ready()
+        jax.jit(
+            lambda t: call(
+                t, src, bad_dtype, none_i, none_f, one, seed, origin, **attrs
+            )
+        )(table).block_until_ready()
     with pytest.raises(Exception, match="(?i)attr|type"):
         wrong = {**attrs, "coalesced": np.int64(0)}  # an int where a bool is bound
-        jax.jit(lambda t: call(t, src, ids, none_i, none_f, one, seed, **wrong))(
-            table
-        ).block_until_ready()
+        jax.jit(
+            lambda t: call(t, src, ids, none_i, none_f, one, seed, origin, **wrong)
+        )(table).block_until_ready()
+    with pytest.raises(Exception, match="a row origin of 2 ids"):
+        jax.jit(
+            lambda t: call(t, src, ids, none_i, none_f, one, seed, origin[:2], **attrs)
+        )(table).block_until_ready()
 
 
 def test_ids_of_another_integer_dtype_are_refused_in_python():

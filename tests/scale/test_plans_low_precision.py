@@ -1,7 +1,8 @@
 """bfloat16 tables on sharding plans, rounded stochastically: 8 devices train
-to one device's numbers. The rounding hashes the value, not the row, so a
-row rounds alike wherever it lives: with all-to-all routing the plan's
-tables are bitwise one device's. With masked routing the partitioner sums
+to one device's numbers. The rounding noise of a plan's buffer row reads
+the row of the collection's buffer it holds (``noise_origin``), so a row
+rounds alike wherever it lives: with all-to-all routing the plan's tables
+are bitwise one device's. With masked routing the partitioner sums
 the bfloat16 gradient in another order than one device (so it differs as
 much with round to nearest: a bfloat16 gradient's last bit is 2**-8 of it),
 compared within that."""
@@ -44,8 +45,8 @@ def _loss(lookup, params, ids, y):
     return jnp.mean((h @ params["w"] - y) ** 2)
 
 
-def _train(lookup, params, routed, sharding=None):
-    tx = js.rowwise_adagrad(0.3)
+def _train(lookup, params, routed, sharding=None, tx=None):
+    tx = js.rowwise_adagrad(0.3) if tx is None else tx
     state = js.sharding.sharded_init(tx, params) if sharding else tx.init(params)
 
     @jax.jit
@@ -65,10 +66,16 @@ def _train(lookup, params, routed, sharding=None):
 
 
 @pytest.mark.parametrize(
-    "plan_name,routing",
-    [("row_wise", "all_to_all"), ("mixed", "all_to_all"), ("row_wise", "masked")],
+    "plan_name,routing,opt",
+    [
+        ("row_wise", "all_to_all", "rowwise_adagrad"),
+        ("mixed", "all_to_all", "rowwise_adagrad"),
+        ("row_wise", "masked", "rowwise_adagrad"),
+        # bf16 accumulators, rounded stochastically on the owners
+        ("row_wise", "all_to_all", "adagrad"),
+    ],
 )
-def test_a_bf16_plan_trains_like_one_device(plan_name, routing):
+def test_a_bf16_plan_trains_like_one_device(plan_name, routing, opt):
     m = _mesh.mesh((8,), ("model",))
     placements = {
         "row_wise": {"a": "row_wise", "b": "row_wise", "f": "row_wise"},
@@ -80,12 +87,14 @@ def test_a_bf16_plan_trains_like_one_device(plan_name, routing):
         samples=samples, padding_id=-1,
     )  # fmt: skip
     params0 = {"emb": COLL.init(jax.random.key(0)), "w": jnp.linspace(-1, 1, 24)}
-    want = _train(COLL, params0, routed=False)
+    tx = js.rowwise_adagrad(0.3) if opt == "rowwise_adagrad" else js.adagrad(0.3)
+    want = _train(COLL, params0, routed=False, tx=tx)
     params = {
         "emb": plan.shard(params0["emb"]),
         "w": jax.device_put(params0["w"], NamedSharding(m, P())),
     }
-    got = _train(plan, params, routed=True, sharding=NamedSharding(m, P("model")))
+    sharding = NamedSharding(m, P("model"))
+    got = _train(plan, params, routed=True, sharding=sharding, tx=tx)
     emb = plan.unshard(got["emb"])
     for k, w in want["emb"].items():
         assert emb[k].dtype == w.dtype
@@ -95,6 +104,13 @@ def test_a_bf16_plan_trains_like_one_device(plan_name, routing):
             assert np.all(np.abs(a - b) <= 0.2 * np.maximum(np.abs(b), 0.1)), k
         elif w.dtype == jnp.float32:
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        elif opt == "adagrad":
+            # The owners sum a row's squared gradient in another order than
+            # one device (measured: 4 of 2688 entries differ to nearest, 6
+            # stochastically; 103 when the state rows' noise read the
+            # shard's own rows instead of the collection's).
+            close = np.abs(a - b) <= 0.01 * np.maximum(np.abs(b), 0.1)
+            assert np.mean(a != b) < 0.01 and np.all(close), k
         else:
             np.testing.assert_array_equal(a, b)
     moved = np.asarray(want["emb"]["dim8_bfloat16"].astype(jnp.float32)) != np.asarray(

@@ -96,13 +96,35 @@ static void Apply(const Recipe<IdT>& r, float* table, int64_t num_rows,
       &t, t.For(r.num_slots));
 }
 
+// Where the rounding noise reads a table row: origin = [base, first_0,
+// coord_0, first_1, coord_1, ...] maps row id to its coordinate
+// g - first_k + coord_k, g = id + base, k the last segment with first_k <= g
+// (the identity: [0, 0, 0]). A sharded buffer's rows map to those of the
+// collection's buffer it shards, so a plan rounds as one device does.
+template <typename IdT>
+struct Origin {
+  const IdT* v;
+  int64_t segments;
+  int64_t operator()(int64_t id) const {
+    const int64_t g = id + static_cast<int64_t>(v[0]);
+    int64_t lo = 0, hi = segments;  // the last k with first_k <= g
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      if (static_cast<int64_t>(v[1 + 2 * mid]) <= g) lo = mid;
+      else hi = mid;
+    }
+    return g - static_cast<int64_t>(v[1 + 2 * lo]) + static_cast<int64_t>(v[2 + 2 * lo]);
+  }
+};
+
 // A low-precision table: each distinct id's summed row added in float32 and
-// the row rounded once (stochastically: the noise of row id, column k and
-// the float32 sum's bits).
+// the row rounded once (stochastically: the noise of the seed, the row's
+// coordinate, the column and the float32 result's bits, common.h's
+// EntryNoise).
 template <typename T, typename IdT>
 static void ApplyRounded(const Recipe<IdT>& r, T* table, int64_t num_rows,
                          bool coalesced, bool stochastic, uint32_t seed,
-                         const Threads& t) {
+                         const Origin<IdT>& origin, const Threads& t) {
   const int64_t R = r.row;
   std::vector<float>& acc = ThreadScratch<float, kApplyRows>();
   std::vector<IdT>& uids = ThreadScratch<IdT, kApplyIds>();
@@ -116,7 +138,7 @@ static void ApplyRounded(const Recipe<IdT>& r, T* table, int64_t num_rows,
     const int64_t id = static_cast<int64_t>(u[j]);
     T* row = table + id * R;
     const float* a = rows + j * R;
-    AddRoundRow(row, a, R, stochastic, seed_mixed);
+    AddRoundRow(row, a, R, stochastic, RowNoise(seed_mixed, origin(id)));
   };
   const int64_t threads = t.For(r.num_slots);
   if (coalesced) {  // distinct ids: each slot's row added and rounded in turn
@@ -138,7 +160,7 @@ static void ApplyRounded(const Recipe<IdT>& r, T* table, int64_t num_rows,
         if (x) Axpy(a.data(), x, r.factor(s), R, true);
         else std::fill(a.begin(), a.end(), 0.0f);
         AddRoundRow(table + static_cast<int64_t>(id) * R, a.data(), R, stochastic,
-                    seed_mixed);
+                    RowNoise(seed_mixed, origin(id)));
       }
     });
     return;
@@ -158,7 +180,7 @@ template <ffi::DataType kId>
 static ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, F32Rows src,
                             IdVector<kId> ids, BagVector bag, F32Vector weight,
                             ffi::BufferR0<ffi::F32> scale,
-                            ffi::BufferR0<ffi::U32> seed,
+                            ffi::BufferR0<ffi::U32> seed, IdVector<kId> origin,
                             ffi::Result<ffi::AnyBuffer> out,
                             bool has_bag, bool has_weight, bool coalesced,
                             bool sum_duplicates, bool stochastic, int64_t length,
@@ -172,6 +194,12 @@ static ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, F32Rows 
   if (out->element_type() != table.element_type()) {
     return Invalid(kKernel, "an output of another element type than the table's");
   }
+  const int64_t origin_size = origin.dimensions()[0];
+  if (origin_size < 3 || origin_size % 2 == 0) {
+    return Invalid(kKernel, "a row origin of " + Str(origin_size) +
+                                " ids (expected 1 + 2 * segments, segments >= 1)");
+  }
+  const Origin<IdOf<kId>> rows_at{origin.typed_data(), (origin_size - 1) / 2};
   Recipe<IdOf<kId>> r{};
   if (auto e = MakeRecipe(kKernel, src, ids, bag, weight, *scale.typed_data(),
                           has_bag, has_weight, length, &r);
@@ -186,7 +214,7 @@ static ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, F32Rows 
       Apply(r, data, NumRows(table), sum_duplicates, coalesced, t);
     } else {
       ApplyRounded(r, data, NumRows(table), coalesced, stochastic,
-                   *seed.typed_data(), t);
+                   *seed.typed_data(), rows_at, t);
     }
     return ffi::Error::Success();
   });
@@ -203,6 +231,7 @@ static auto ApplyBinding() {
       .template Arg<F32Vector>()              // weight [N] or []
       .template Arg<ffi::BufferR0<ffi::F32>>()  // scale
       .template Arg<ffi::BufferR0<ffi::U32>>()  // seed (stochastic rounding)
+      .template Arg<IdVector<kId>>()          // origin: where the noise reads a row
       .template Ret<ffi::AnyBuffer>()         // table (aliased)
       .template Attr<bool>("has_bag")
       .template Attr<bool>("has_weight")

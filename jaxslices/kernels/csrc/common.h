@@ -288,11 +288,13 @@ inline void Axpy(float* acc, const float* x, float f, int64_t r, bool first) {
 // by widening its bits (exact) and written back rounded once, either to
 // nearest (ties to even, as XLA's convert) or stochastically, bit for bit as
 // jaxslices/_rounding.py (its docstring is the specification): the 32 random
-// bits of an entry whose float32 value has bits b are Mix32(Mix32(seed) ^ b)
-// with Mix32 MurmurHash3's finaliser (Austin Appleby, public domain): the
-// value and the seed only, not the row, so every layout rounds alike. Only
-// integer operations and one float comparison whose every term is exact
-// (no product is added to anything, so no FMA contraction can change it).
+// bits of the entry in column c of table row r whose float32 value has bits
+// b are Mix32(RowNoise(Mix32(seed), r) ^ (c * 0x9E3779B9) ^ b), with Mix32
+// MurmurHash3's finaliser (Austin Appleby, public domain) and RowNoise
+// mixing the row's two 32-bit words in: independent per entry and, with the
+// seed mixing in the optimizer's step, per step. Only integer operations
+// and one float comparison whose every term is exact (no product is added
+// to anything, so no FMA contraction can change it).
 
 struct Bf16 {
   uint16_t bits;
@@ -363,9 +365,17 @@ inline uint32_t Mix32(uint32_t h) {
   return h ^ (h >> 16);
 }
 
-// The noise of an entry whose float32 value is x (seed_mixed = Mix32(seed)).
-inline uint32_t ValueNoise(uint32_t seed_mixed, float x) {
-  return Mix32(seed_mixed ^ FloatBits(x));
+// The noise seed of table row r (seed_mixed = Mix32(seed)).
+inline uint32_t RowNoise(uint32_t seed_mixed, int64_t r) {
+  const uint64_t u = static_cast<uint64_t>(r);
+  return Mix32(Mix32(seed_mixed ^ static_cast<uint32_t>(u)) ^
+               static_cast<uint32_t>(u >> 32));
+}
+
+// The noise of the entry in column k of a row (row_noise = RowNoise(...))
+// whose float32 value is x.
+inline uint32_t EntryNoise(uint32_t row_noise, int64_t k, float x) {
+  return Mix32(row_noise ^ (static_cast<uint32_t>(k) * 0x9E3779B9u) ^ FloatBits(x));
 }
 
 // Stochastic rounding of a finite x (non-finite values round to nearest:
@@ -405,20 +415,21 @@ inline void RoundInto(F16* out, float x, bool stochastic, uint32_t h) {
   out->bits = stochastic && std::isfinite(x) ? StochasticF16(x, h) : NearestF16(x);
 }
 
-// row[0:R] = round(row + a), each entry as RoundInto with its ValueNoise.
+// row[0:R] = round(row + a), each entry as RoundInto with its EntryNoise
+// (row_noise: RowNoise of the row).
 template <typename T>
 inline void AddRoundRow(T* row, const float* a, int64_t R, bool stochastic,
-                        uint32_t seed_mixed) {
+                        uint32_t row_noise) {
   for (int64_t k = 0; k < R; ++k) {
     const float x = Widen(row[k]) + a[k];
-    RoundInto(row + k, x, stochastic, stochastic ? ValueNoise(seed_mixed, x) : 0u);
+    RoundInto(row + k, x, stochastic, stochastic ? EntryNoise(row_noise, k, x) : 0u);
   }
 }
 
 // bfloat16, stochastically: the same bits, without branches (the loop
 // vectorises: measured 2.7x faster than entry by entry on 16K Zipf ids).
 inline void AddRoundRow(Bf16* row, const float* a, int64_t R, bool stochastic,
-                        uint32_t seed_mixed) {
+                        uint32_t row_noise) {
   if (!stochastic) {
     for (int64_t k = 0; k < R; ++k) row[k].bits = NearestBf16(Widen(row[k]) + a[k]);
     return;
@@ -426,7 +437,8 @@ inline void AddRoundRow(Bf16* row, const float* a, int64_t R, bool stochastic,
   for (int64_t k = 0; k < R; ++k) {
     const uint32_t b = FloatBits(Widen(row[k]) + a[k]);
     const uint32_t mag = b & 0x7FFFFFFFu;
-    uint32_t up = (mag + (Mix32(seed_mixed ^ b) & 0xFFFFu)) >> 16;
+    const uint32_t h = Mix32(row_noise ^ (static_cast<uint32_t>(k) * 0x9E3779B9u) ^ b);
+    uint32_t up = (mag + (h & 0xFFFFu)) >> 16;
     up = up < 0x7F7Fu ? up : 0x7F7Fu;  // a finite value never to infinity
     const uint32_t rounded = ((b >> 16) & 0x8000u) | up;
     // Non-finite: to nearest (NearestBf16: inf stays, NaN made quiet).
