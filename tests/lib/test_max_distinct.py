@@ -208,13 +208,23 @@ def test_coalesced_scatters_and_gathers_promise_unique_indices(method):
     jaxpr = _step_jaxpr(tx)
     scatters = _on_table(_eqns(jaxpr, "scatter"), D)
     gathers = _on_table(_eqns(jaxpr, "gather"), D)
-    # Adagrad's state: one scatter, one gather; the table: one scatter-add.
-    assert len(scatters) == 2 and len(gathers) == 1
+    # Adagrad's state: one scatter, one gather.
+    assert len(scatters) == 1 and len(gathers) == 1
     for e in scatters + gathers:
         assert e.params["unique_indices"], e
         assert e.params["indices_are_sorted"] == (method == "sort"), e
-    for e in scatters:  # over the bound, not over every lookup
+    # The table: one apply op, told its rows are coalesced (and sorted)...
+    (apply,) = _on_table(_eqns(jaxpr, "jaxslices_apply"), D)
+    assert apply.params["coalesced"], apply
+    assert apply.params["indices_sorted"] == (method == "sort"), apply
+    for e in scatters + [apply]:  # over the bound, not over every lookup
         assert e.invars[2].aval.shape[0] == 6, e
+    # ...which its XLA lowering promises to XLA: one scatter-add on the table.
+    step, args = _step(tx)
+    hlo = jax.jit(step).lower(*args).compiler_ir("hlo").as_hlo_text()
+    (table,) = re.findall(rf"= f32\[{V},{D}\][^ ]* scatter\(p__emb__.*", hlo)
+    assert "unique_indices=true" in table, table
+    assert ("indices_are_sorted=true" in table) == (method == "sort"), table
 
 
 @pytest.mark.usefixtures("xla_path")  # XLA's structure; native: test_kernels
