@@ -417,6 +417,33 @@ def test_add_dense(dtype, use_jit):
     )
 
 
+def test_unary_plus_minus_and_a_list_operand_match_dense():
+    rng = np.random.default_rng(8)
+    s = random_slices(rng)
+    x = rng.normal(size=s.dense_shape).astype(np.float32)
+    assert +s is s
+    np.testing.assert_allclose((-s).to_dense(), -dense_reference(s), atol=1e-6)
+    got = s - x.tolist()  # a nested list: made an array, then subtracted
+    np.testing.assert_allclose(got, dense_reference(s) - x, rtol=1e-5, atol=1e-6)
+    assert js.concatenate([s]) is s
+    # A scatter of no rows is the target itself, unchanged.
+    empty = IndexedSlices(jnp.zeros((0, 3)), jnp.zeros((0,), jnp.int32), (7, 3))
+    np.testing.assert_array_equal(js.scatter_update(jnp.asarray(x), empty), x)
+
+
+def test_bad_constructor_and_concatenate_arguments_name_what_was_given():
+    with pytest.raises(TypeError, match="`values` must be an array, got object"):
+        IndexedSlices(object(), jnp.array([0]), (2, 1))
+    with pytest.raises(ValueError, match=r"non-negative, got \(-1, 2\)"):
+        IndexedSlices(jnp.ones((1, 2)), jnp.array([0]), (-1, 2))
+    with pytest.raises(ValueError, match="need at least one IndexedSlices, got none"):
+        js.concatenate([])
+    s = IndexedSlices(jnp.ones((1, 2)), jnp.array([0]), (2, 2))
+    with pytest.raises(TypeError, match="expected an IndexedSlices, got ndarray"):
+        js.concatenate([s, np.ones((2, 2))])
+    assert "a sparse gradient" in repr(IndexedSlices)
+
+
 def test_numpy_plus_slices_defers_to_slices():
     s = IndexedSlices(jnp.ones((1, 2)), jnp.array([1]), (2, 2))
     out = np.zeros((2, 2), np.float32) + s
