@@ -79,11 +79,13 @@ from helpers import KERNELS_STATUS  # noqa: E402
 
 def pytest_report_header(config):
     lines = [f"jaxslices native kernels: {KERNELS_STATUS}"]
-    shared = os.environ.get(_CACHE_OWNER) is not None
-    lines.append(
-        "shared compilation cache: "
-        + ("on" if shared else "off (JAXSLICES_TEST_COMPILE_CACHE, jaxlib line)")
-    )
+    if os.environ.get(_CACHE_OWNER) is not None:
+        cache = "on, this session's"
+    elif "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        cache = "JAX_COMPILATION_CACHE_DIR's"
+    else:
+        cache = "off (JAXSLICES_TEST_COMPILE_CACHE=0, or jaxlib 0.12 and later)"
+    lines.append(f"shared compilation cache: {cache}")
     if not _runs_one_leg_here():  # (xdist: the workers deselect, the header says)
         lines.append(
             "notebook, long example and benchmark runs (newest_leg): deselected on "
