@@ -10,6 +10,12 @@ fields). A Flax msgpack or Orbax checkpoint is restored *without a target*
 (``flax.serialization.msgpack_restore(data)``, ``ckptr.restore(path)``),
 and :func:`upgrade_state` turns what comes back into the structure of the
 new ``tx.init(params)``.
+
+Since the low-precision step count, a constant learning rate's state is a
+step counter (a :class:`~jaxslices.ScaleByScheduleState`) where the params
+hold a bfloat16 or float16 leaf, and was empty before: a checkpoint saved
+without it upgrades with the count at 0 (the rounding's per-step seeds
+start again; every value is the checkpoint's).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._rowwise import pack_states
+from ._transform import ScaleByScheduleState
 
 __all__ = ["upgrade_state"]
 
@@ -76,11 +83,14 @@ def upgrade_state(restored: Any, target: Any) -> Any:
              [1., 0.]], dtype=float32), 3)
     """
     old = _flat(restored)
+    counters = _new_step_counters(target, old)
 
     def leaf(path, t):
         keys = tuple(_key(k) for k in path)
         if keys in old:
             x = old[keys]
+        elif keys in counters:
+            x = jnp.zeros_like(t)
         else:
             x = _packed_from_old(keys, old)
         x = jnp.asarray(x)
@@ -94,6 +104,23 @@ def upgrade_state(restored: Any, target: Any) -> Any:
         return x.astype(jnp.result_type(t))
 
     return jax.tree_util.tree_map_with_path(leaf, target)
+
+
+def _new_step_counters(target: Any, old: dict) -> set[tuple[str, ...]]:
+    """The ``count`` paths of ``target``'s step counters that the checkpoint
+    holds nothing of (saved when that state was empty)."""
+
+    def is_counter(x):
+        return isinstance(x, ScaleByScheduleState)
+
+    out = set()
+    for path, x in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_counter)[0]:
+        if not is_counter(x):
+            continue
+        here = tuple(_key(k) for k in path)
+        if not any(k[: len(here)] == here for k in old):
+            out.add((*here, "count"))
+    return out
 
 
 def _packed_from_old(keys: tuple[str, ...], old: dict) -> Any:

@@ -222,3 +222,21 @@ def test_upgrade_state_names_a_missing_or_reshaped_leaf():
         js.upgrade_state(old, target)
     with pytest.raises(ValueError, match="no leaf at 0/mu_nu/b"):
         js.upgrade_state({"0": {"count": 1, "mu": {}, "nu": {}}, "1": {}}, target)
+
+
+def test_a_low_precision_state_saved_before_its_step_count_upgrades():
+    """A constant learning rate's state on bf16 params is a step counter
+    now, empty before: the checkpoint without it upgrades, the count at 0."""
+    serialization = pytest.importorskip("flax.serialization")
+    p = {"t": jnp.full((4, 2), 0.5, jnp.bfloat16)}
+    tx = js.adagrad(0.1)
+    g = {"t": js.IndexedSlices(jnp.ones((1, 2), jnp.bfloat16), jnp.array([1]), (4, 2))}
+    _, state = tx.update(g, tx.init(p), p)
+    saved = serialization.to_state_dict(state)
+    assert set(saved["1"]) == {"count"}  # what the counter adds
+    old = {**saved, "1": {}}  # the same state saved when it was empty
+    got = js.upgrade_state(old, tx.init(p))
+    assert int(got[1].count) == 0
+    jax.tree.map(np.testing.assert_array_equal, got[0], state[0])
+    # A counter the checkpoint holds is taken as it is.
+    assert int(js.upgrade_state(saved, tx.init(p))[1].count) == 1
