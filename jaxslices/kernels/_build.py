@@ -5,10 +5,11 @@ that is installed (``jax.ffi.include_dir()``), so that the library speaks
 that jaxlib's FFI version; installing jaxslices never needs a compiler.
 
 * **Compiler.** ``$JAXSLICES_CXX``, else ``$CXX``, else the first of ``c++``,
-  ``g++``, ``clang++`` on ``PATH``. Flags: ``-O3 -std=c++17 -shared -fPIC``
-  and ``-march=native`` (tuned for this CPU: the prototype's kernels ran in
-  0.8x the time of a plain ``-O3`` build), retried without it if the compiler
-  refuses; ``$JAXSLICES_CXXFLAGS`` adds flags.
+  ``g++``, ``clang++`` on ``PATH``. Flags: ``-O3 -std=c++17 -shared -fPIC
+  -fno-math-errno -ffp-contract=off`` (products and sums rounded as the XLA
+  reference rounds them) and ``-march=native`` (tuned for this CPU: the
+  prototype's kernels ran in 0.8x the time of a plain ``-O3`` build), retried
+  without it if the compiler refuses; ``$JAXSLICES_CXXFLAGS`` adds flags.
 * **Cache.** ``$JAXSLICES_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxslices``,
   else ``~/.cache/jaxslices``: one ``libjaxslices_kernels-<key>.so`` per
   (sources, compiler, flags, jaxlib, CPU), so a new jaxlib, a new compiler or
@@ -80,7 +81,18 @@ TARGETS["jaxslices_pool_threads"] = "JaxslicesPoolThreads"
 # ids are pairs of uint32 words), one registration each.
 TARGETS["jaxslices_managed_admit"] = "JaxslicesManagedAdmit"
 TARGETS["jaxslices_managed_evict"] = "JaxslicesManagedEvict"
-BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+#: ``-ffp-contract=off``: no fused multiply-adds, so that a kernel rounds each
+#: product and each sum as its XLA reference does (a contracted ``a + f * x``
+#: rounds once, and a bfloat16 table's stochastic rounding, a hash of the
+#: float32 total, then drew other bits for a few entries of an SGD step).
+BASE_FLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-fno-math-errno",
+    "-ffp-contract=off",
+)
 
 
 class KernelsUnavailableWarning(UserWarning):

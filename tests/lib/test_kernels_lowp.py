@@ -486,12 +486,13 @@ def test_sgd_steps_a_bf16_table_bitwise_alike_on_both_paths():
         assert (_bits(native["t"]) != _bits(table)).any()
 
 
-def test_sgd_steps_with_arbitrary_cotangents_round_alike_or_one_ulp_apart():
+def test_sgd_steps_with_arbitrary_cotangents_are_bitwise_alike_on_both_paths():
     """The same step on a squared loss (cotangents that are not exact in
-    bf16): to nearest, the paths write the same bits; stochastically, an
-    entry whose float32 totals differ in the last bit between the paths
-    (the native step reads the pooled cotangents, the XLA path the rows)
-    lands at most on the other neighbour, one ulp apart (docs/kernels.md)."""
+    bf16, rows summed over several slots): the paths write the same bits,
+    to nearest and stochastically. The test can fail: kernels built with
+    fused multiply-adds (``JAXSLICES_CXXFLAGS=-ffp-contract=fast``) round
+    ``acc + f * x`` once, and 10 of the 320 entries drew the other
+    neighbour."""
     table = jax.random.normal(jax.random.key(0), (40, 8)).astype(jnp.bfloat16)
     ids = jax.random.randint(jax.random.key(1), (16, 3), 0, 40)
     tx = js.sgd(0.1)
@@ -505,10 +506,9 @@ def test_sgd_steps_with_arbitrary_cotangents_round_alike_or_one_ulp_apart():
         return js.apply_updates(p, u, stochastic_rounding=sr)
 
     p = {"t": table}
-    native, xla = _both_paths(lambda p: step(p, False), p)
-    _assert_bitwise(native, xla, "sgd(0.1) on a squared loss, to nearest")
-    native, xla = _both_paths(lambda p: step(p, True), p)
-    assert _ulps(native["t"], xla["t"]).max() <= 1
+    for sr in (False, True):
+        native, xla = _both_paths(lambda p, sr=sr: step(p, sr), p)
+        _assert_bitwise(native, xla, f"sgd(0.1), a squared loss, stochastic={sr}")
 
 
 def test_a_bf16_adagrad_accumulator_is_rounded_once():
