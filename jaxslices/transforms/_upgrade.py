@@ -56,7 +56,10 @@ def upgrade_state(restored: Any, target: Any) -> Any:
     ``{"0": ...}`` dicts for tuples), and packs the old separate moments
     (``mu`` and ``nu``; FTRL's ``accumulator`` and ``linear``) into the new
     packed field. Leaves saved in the new layout already are taken as they
-    are, so upgrading a new checkpoint returns it unchanged.
+    are, so upgrading a new checkpoint returns it unchanged. A step counter
+    (:class:`~jaxslices.ScaleByScheduleState`) the checkpoint holds nothing
+    of starts at 0: a low-precision table's optimizer counts its steps since
+    the per-step rounding seed, and its state was empty before.
 
     Args:
       restored: the restored tree: ``flax.serialization.msgpack_restore(data)``
