@@ -57,6 +57,7 @@ from . import _errors
 
 __all__ = [
     "INT32_MAX",
+    "OUT_OF_RANGE_HINT",
     "as_ids",
     "raise_if_out_of_range",
     "check_index_width",
@@ -257,13 +258,19 @@ def to_jax(ids: Any, where: str) -> jax.Array:
 # ------------------------------------------------------------ checked mode
 
 
+#: How every ``check_ids`` message ends: what an out-of-range id does, and
+#: the two ways out.
+OUT_OF_RANGE_HINT = (
+    "Out-of-range ids would read zeros and get no gradient; fix the ids, or "
+    "pass check_ids=False to treat them as padding."
+)
+
+
 def _bad_ids_error(n_bad: int, lo: int, hi: int, *, num_rows: int, where: str):
     return ValueError(
         f"{where}: ids must be in [0, {num_rows}) for a table with {num_rows} rows; "
         f"{n_bad} {'id is' if n_bad == 1 else 'ids are'} out of range (the ids "
-        f"checked have min {lo} and max {hi}). Out-of-range ids would read zeros "
-        "and get no gradient; fix the ids, or pass check_ids=False to treat them "
-        "as padding."
+        f"checked have min {lo} and max {hi}). {OUT_OF_RANGE_HINT}"
     )
 
 

@@ -39,8 +39,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _jax_compat, _leaves, slices
-from .slices import IndexedSlices, _replace_values, check_slices
+from . import _indexed, _jax_compat, _leaves, slices
+from ._indexed import IndexedSlices, _replace_values, check_slices
 
 __all__ = [
     "tree_add",
@@ -168,7 +168,7 @@ def _map_values(
     The one value-wise map of gradient trees: :func:`tree_map_values` and the
     value-wise transforms (``scale``, ``scale_by_schedule``) use it.
     ``factor``: a scalar with ``fn(x) == factor * x`` (up to rounding), so
-    slices keep their native recipe, scaled (:func:`jaxslices.slices.scale_values`).
+    slices keep their native recipe, scaled (:func:`jaxslices._indexed.scale_values`).
     """
 
     def leaf(path, g):
@@ -194,7 +194,7 @@ def _map_values(
                 return _replace_values(
                     g, values, f"jaxslices.{name} (a map of the rows)"
                 )
-            return slices.scale_values(g, values, factor, f"jaxslices.{name}")
+            return _indexed.scale_values(g, values, factor, f"jaxslices.{name}")
         return fn(g)
 
     return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=_is_leaf)
@@ -286,7 +286,7 @@ def _sum_slices(
     copies = _axis_size(tuple(a for a, _ in repeat)) if repeat else 1
     out = IndexedSlices(values, indices, s.dense_shape)
     lost = "jaxslices.tree_psum / tree_pmean (slices are all-gathered as rows)"
-    return slices.lost_from(out, s, lost), copies
+    return _indexed.lost_from(out, s, lost), copies
 
 
 def tree_psum(tree: Any, axis_name: AxisName) -> Any:

@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _leaves, _rounding, slices
-from .slices import IndexedSlices, check_slices
+from . import _indexed, _leaves, _rounding, slices
+from ._indexed import IndexedSlices, check_slices
 
 __all__ = ["apply_updates"]
 
@@ -52,7 +52,7 @@ def _apply_leaf(
     if isinstance(u, IndexedSlices):
         if low:
             sr = True if stochastic is None else stochastic
-            seed = _rounding.step_seed(seed, slices.step_of(u))
+            seed = _rounding.step_seed(seed, _indexed.step_of(u))
             return slices._scatter_rounded(
                 p, u, where, stochastic=sr, seed=seed, origin=origin
             )

@@ -205,8 +205,7 @@ def _bad_ids_error(n, key, lo, hi, *, keys, rows):
         f"{WHERE}(check_ids=True): {n} {'id is' if n == 1 else 'ids are'} out of "
         f"range of its table (the first in feature {keys[key]!r}, whose table has "
         f"{int(rows[key])} rows; the out-of-range ids have min {lo} and max {hi}). "
-        "Out-of-range ids would read zeros and get no gradient; fix the ids, or "
-        "pass check_ids=False to treat them as padding."
+        f"{_ids.OUT_OF_RANGE_HINT}"
     )
 
 

@@ -39,7 +39,7 @@ import optax
 from jax.typing import ArrayLike
 
 from .. import _errors, _leaves, _typed_indices, slices
-from ..slices import IndexedSlices, _replace_values
+from .._indexed import IndexedSlices, _replace_values, valid_mask
 
 __all__ = ["MultiSteps", "MultiStepsState"]
 
@@ -274,7 +274,7 @@ class MultiSteps:
                 buf.dense_shape,
             )
             c = slices.coalesce(both)  # distinct valid rows first, then padding
-            distinct = jnp.sum(slices.valid_mask(c), dtype=jnp.int32)
+            distinct = jnp.sum(valid_mask(c), dtype=jnp.int32)
             # The kept slots are read from a start that the check guards, so
             # nothing downstream runs before it (0 unless it raises).
             start = _errors.raise_if(

@@ -170,17 +170,9 @@ def adagrad(
       >>> jaxslices.apply_updates(params, u)[:, 0].round(4)
       Array([ 0.    , -0.9877,  0.    ], dtype=float32)
     """
-    sparse = _sparse_options(
-        "adagrad", coalesce_method, max_distinct, stochastic_rounding
-    )
-    return optax.chain(
-        scale_by_rss(
-            initial_accumulator_value,
-            eps,
-            **sparse,
-        ),
-        scale_by_learning_rate(learning_rate),
-    )
+    options = (coalesce_method, max_distinct, stochastic_rounding)
+    iav = initial_accumulator_value
+    return _chain("adagrad", options, learning_rate, scale_by_rss, iav, eps)
 
 
 def lazy_adam(
@@ -263,21 +255,9 @@ def lazy_adam(
       >>> [round(float(x), 4) for x in jaxslices.apply_updates(params, u).ravel()]
       [0.0, 0.0, -0.1]
     """
-    sparse = _sparse_options(
-        "lazy_adam", coalesce_method, max_distinct, stochastic_rounding
-    )
-    return optax.chain(
-        scale_by_lazy_adam(
-            b1,
-            b2,
-            eps,
-            eps_root,
-            mu_dtype,
-            nesterov=nesterov,
-            **sparse,
-        ),
-        scale_by_learning_rate(learning_rate),
-    )
+    options = (coalesce_method, max_distinct, stochastic_rounding)
+    adam = (scale_by_lazy_adam, b1, b2, eps, eps_root, mu_dtype)
+    return _chain("lazy_adam", options, learning_rate, *adam, nesterov=nesterov)
 
 
 def lazy_adamw(
@@ -332,27 +312,11 @@ def lazy_adamw(
       >>> [round(float(x), 4) for x in jaxslices.apply_updates(params, u)]
       [1.0, 1.0, 0.85]
     """
-    sparse = _sparse_options(
-        "lazy_adamw", coalesce_method, max_distinct, stochastic_rounding
-    )
-    return optax.chain(
-        scale_by_lazy_adam(
-            b1,
-            b2,
-            eps,
-            eps_root,
-            mu_dtype,
-            nesterov=nesterov,
-            **sparse,
-        ),
-        # scale_by_lazy_adam's slices are coalesced already: no second sort.
-        add_decayed_weights(
-            weight_decay,
-            mask,
-            coalesce_method=coalesce_method,
-            max_distinct=max_distinct,
-        ),
-        scale_by_learning_rate(learning_rate),
+    options = (coalesce_method, max_distinct, stochastic_rounding)
+    adam = (scale_by_lazy_adam, b1, b2, eps, eps_root, mu_dtype)
+    decay = (weight_decay, mask)
+    return _chain(
+        "lazy_adamw", options, learning_rate, *adam, nesterov=nesterov, decay=decay
     )
 
 
@@ -411,17 +375,9 @@ def rowwise_adagrad(
       >>> jaxslices.apply_updates(params, u)[1]
       Array([-1., -1.], dtype=float32)
     """
-    sparse = _sparse_options(
-        "rowwise_adagrad", coalesce_method, max_distinct, stochastic_rounding
-    )
-    return optax.chain(
-        scale_by_rowwise_rss(
-            initial_accumulator_value,
-            eps,
-            **sparse,
-        ),
-        scale_by_learning_rate(learning_rate),
-    )
+    options = (coalesce_method, max_distinct, stochastic_rounding)
+    rss = (scale_by_rowwise_rss, initial_accumulator_value, eps)
+    return _chain("rowwise_adagrad", options, learning_rate, *rss)
 
 
 def _sparse_options(
@@ -437,6 +393,29 @@ def _sparse_options(
         max_distinct=max_distinct,
         stochastic_rounding=stochastic_rounding,
     )
+
+
+def _chain(
+    name: str,
+    options: tuple[str, Any, Any],
+    learning_rate: ScalarOrSchedule,
+    scaling: Any,
+    *args: Any,
+    decay: tuple[Any, Any] | None = None,
+    **kwargs: Any,
+) -> optax.GradientTransformationExtraArgs:
+    """An alias as Optax chains it: ``scaling(*args, **kwargs)``, then (with
+    ``decay = (weight_decay, mask)``, AdamW's) the decoupled weight decay,
+    then the learning rate. The alias's sparse ``options``
+    (``coalesce_method, max_distinct, stochastic_rounding``) are checked
+    first (messages name the alias) and given to ``scaling``."""
+    sparse = _sparse_options(name, *options)
+    parts = [scaling(*args, **kwargs, **sparse)]
+    if decay is not None:
+        # The scaling's slices are coalesced already: no second sort.
+        coalescing = {k: sparse[k] for k in ("coalesce_method", "max_distinct")}
+        parts.append(add_decayed_weights(*decay, **coalescing))
+    return optax.chain(*parts, scale_by_learning_rate(learning_rate))
 
 
 class _FtrlFields(NamedTuple):

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 
 from .. import _leaves, _spmd
-from ..slices import IndexedSlices, _replace_values, check_slices
+from .._indexed import IndexedSlices, _replace_values, check_slices
 from ._rowwise import coalesce_for_update, mask_padding, rows
 
 __all__ = ["PerTableState", "add_decayed_weights_by_table", "scale_by_table"]

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from .. import _rounding, slices
+from .. import _indexed, _rounding
 from .._coalesce import check_method
 from ..kernels import _ops as kernel_ops
 from ..slices import IndexedSlices
@@ -217,7 +217,7 @@ def _counting_steps(
             state = ScaleByScheduleState(optax.safe_increment(count))
 
         def stamp(u):
-            return slices.with_step(u, count) if isinstance(u, IndexedSlices) else u
+            return _indexed.with_step(u, count) if isinstance(u, IndexedSlices) else u
 
         return jax.tree.map(stamp, updates, is_leaf=is_leaf), state
 

@@ -66,18 +66,34 @@ static void AddInTurn(const Recipe<IdT>& r, float* table, int64_t num_rows,
   });
 }
 
+// The calling thread's scratch for summing a recipe's duplicates: room for
+// num_slots summed rows (float32) and their distinct ids, kept and grown
+// across calls.
+template <typename IdT>
+struct SumScratch {
+  float* rows;
+  IdT* ids;
+};
+
+template <typename IdT>
+static SumScratch<IdT> SumScratchFor(const Recipe<IdT>& r) {
+  std::vector<float>& acc = ThreadScratch<float, kApplyRows>();
+  std::vector<IdT>& uids = ThreadScratch<IdT, kApplyIds>();
+  const int64_t n = r.num_slots;
+  if (static_cast<int64_t>(acc.size()) < n * r.row) acc.resize(n * r.row);
+  if (static_cast<int64_t>(uids.size()) < n) uids.resize(n);
+  return {acc.data(), uids.data()};
+}
+
 template <typename IdT>
 static void Apply(const Recipe<IdT>& r, float* table, int64_t num_rows,
                   bool sum_duplicates, bool coalesced, const Threads& t) {
   const int64_t R = r.row;
   if (!sum_duplicates || coalesced) return AddInTurn(r, table, num_rows, coalesced, t);
-  std::vector<float>& acc = ThreadScratch<float, kApplyRows>();
-  std::vector<IdT>& uids = ThreadScratch<IdT, kApplyIds>();
-  if (static_cast<int64_t>(acc.size()) < r.num_slots * R) acc.resize(r.num_slots * R);
-  if (static_cast<int64_t>(uids.size()) < r.num_slots) uids.resize(r.num_slots);
+  const SumScratch<IdT> scratch = SumScratchFor(r);
   int64_t total = 0;
-  IdT* u = uids.data();
-  float* rows = acc.data();
+  IdT* u = scratch.ids;
+  float* rows = scratch.rows;
   // Each id's summed row is added to the table as soon as it is complete.
   auto add_row = [&](int64_t j) {
     float* row = table + static_cast<int64_t>(u[j]) * R;
@@ -126,13 +142,10 @@ static void ApplyRounded(const Recipe<IdT>& r, T* table, int64_t num_rows,
                          bool coalesced, bool stochastic, uint32_t seed,
                          const Origin<IdT>& origin, const Threads& t) {
   const int64_t R = r.row;
-  std::vector<float>& acc = ThreadScratch<float, kApplyRows>();
-  std::vector<IdT>& uids = ThreadScratch<IdT, kApplyIds>();
-  if (static_cast<int64_t>(acc.size()) < r.num_slots * R) acc.resize(r.num_slots * R);
-  if (static_cast<int64_t>(uids.size()) < r.num_slots) uids.resize(r.num_slots);
+  const SumScratch<IdT> scratch = SumScratchFor(r);
   int64_t total = 0;
-  IdT* u = uids.data();
-  float* rows = acc.data();
+  IdT* u = scratch.ids;
+  float* rows = scratch.rows;
   const uint32_t seed_mixed = Mix32(seed);
   auto add_row = [&](int64_t j) {
     const int64_t id = static_cast<int64_t>(u[j]);
