@@ -147,10 +147,7 @@ def adagrad(
       learning_rate: a scalar or an Optax schedule.
       initial_accumulator_value: starting value of the accumulator.
       eps: added under the square root.
-      coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
-      max_distinct: the distinct-row bound of sparse leaves (an ``int`` or a
-        pytree prefix of the params), as in :func:`lazy_adam`.
-      stochastic_rounding: as in :func:`lazy_adam`.
+      coalesce_method, max_distinct, stochastic_rounding: as in :func:`lazy_adam`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
@@ -349,10 +346,7 @@ def rowwise_adagrad(
       learning_rate: a scalar or an Optax schedule.
       initial_accumulator_value: starting value of every accumulator.
       eps: added to the square root in the denominator.
-      coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
-      max_distinct: the distinct-row bound of sparse leaves (an ``int`` or a
-        pytree prefix of the params), as in :func:`lazy_adam`.
-      stochastic_rounding: as in :func:`lazy_adam`.
+      coalesce_method, max_distinct, stochastic_rounding: as in :func:`lazy_adam`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; the state is the
@@ -532,10 +526,7 @@ def ftrl(
       l2_shrinkage: L2 shrinkage strength (``>= 0``): an L2 penalty added to the
         loss gradient.
       beta: the paper's ``beta``, added to ``l2`` as ``beta / (2 * lr)``.
-      coalesce_method: how duplicate ids are summed (:func:`jaxslices.coalesce`).
-      max_distinct: the distinct-row bound of sparse leaves (an ``int`` or a
-        pytree prefix of the params), as in :func:`lazy_adam`.
-      stochastic_rounding: as in :func:`lazy_adam`.
+      coalesce_method, max_distinct, stochastic_rounding: as in :func:`lazy_adam`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` whose state is a
