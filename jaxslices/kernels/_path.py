@@ -44,6 +44,7 @@ __all__ = [
     "Decision",
     "decide",
     "disabled",
+    "dtype_reason",
     "gpu_kernels",
     "note",
     "note_materialised",
@@ -170,6 +171,9 @@ MARKER = "jaxslices_path_note"
 XLA, MATERIALISED = "xla", "materialised"
 
 
+VMAP = "inside jax.vmap (the kernels run one problem at a time)"
+
+
 def note(op: str, reason: str) -> None:
     """Record that ``op`` takes the XLA path because of ``reason``."""
     _record(op, reason, XLA)
@@ -204,6 +208,42 @@ def route(
     if reason:
         note(op, reason)
     return not reason
+
+
+def dtype_reason(
+    *arrays: Any,
+    tables: tuple[Any, ...] = (),
+    dtypes: tuple[Any, ...] = (jnp.float32,),
+) -> str:
+    """Why the ops do not take these arrays' dtypes (``""``: they do).
+
+    The dtype conditions of :func:`decide` on the CPU (``None`` entries
+    skipped): a question about an operation's configuration, not about the
+    platform, for a caller whose op expresses only these dtypes.
+    """
+    for x, allowed, is_table in [(x, dtypes, False) for x in arrays] + [
+        (x, TABLE_DTYPES, True) for x in tables
+    ]:
+        why = "" if x is None else _dtype_reason(x, allowed, is_table)
+        if why:
+            return why
+    return ""
+
+
+def _dtype_reason(x: Any, allowed: tuple[Any, ...], is_table: bool) -> str:
+    dtype = jnp.result_type(x)
+    if is_table and not jnp.issubdtype(dtype, jnp.inexact):
+        return f"a {jnp.dtype(dtype).name} table (the kernels take float tables)"
+    if jnp.issubdtype(dtype, jnp.inexact) and dtype not in allowed:
+        names = ", ".join(jnp.dtype(d).name for d in allowed)
+        if not is_table and jnp.dtype(dtype) in TABLE_DTYPES:
+            return (
+                f"a {jnp.dtype(dtype).name} array where the kernels take "
+                f"{names} (bfloat16/float16 tables are native, their "
+                "optimizer state is float32)"
+            )
+        return f"a {jnp.dtype(dtype).name} array (the kernels take {names})"
+    return ""
 
 
 def decide(
@@ -244,20 +284,11 @@ def decide(
     for x, allowed, is_table in checks:
         if x is None:
             continue
-        dtype = jnp.result_type(x)
-        if is_table and not jnp.issubdtype(dtype, jnp.inexact):
-            return f"a {jnp.dtype(dtype).name} table (the kernels take float tables)"
-        if jnp.issubdtype(dtype, jnp.inexact) and dtype not in allowed:
-            names = ", ".join(jnp.dtype(d).name for d in allowed)
-            if not is_table and jnp.dtype(dtype) in TABLE_DTYPES:
-                return (
-                    f"a {jnp.dtype(dtype).name} array where the kernels take "
-                    f"{names} (bfloat16/float16 tables are native, their "
-                    "optimizer state is float32)"
-                )
-            return f"a {jnp.dtype(dtype).name} array (the kernels take {names})"
+        why = _dtype_reason(x, allowed, is_table)
+        if why:
+            return why
         if _jax_compat.is_batched(x):
-            return "inside jax.vmap (the kernels run one problem at a time)"
+            return VMAP
         mesh = _jax_compat.abstract_mesh(x)
         if mesh is not None and mesh.size > 1:
             kinds = _jax_compat.axis_kinds(mesh)

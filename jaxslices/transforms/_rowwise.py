@@ -418,7 +418,9 @@ def coalesce_all(
     def leaf(path, x, bound):
         if not isinstance(x, IndexedSlices):
             return x
-        if not (x.unique_indices and bound is None):
+        if not (x.unique_indices and bound is None) and kernel_path.route(
+            where(name, path), tables=(x.values,)
+        ):  # the coalescing kernel; its XLA path is jaxslices.coalesce's
             done = native_leaf(
                 name, path, x, Native(_COALESCE_SPEC), bound, want_sumsq=True
             )
@@ -464,27 +466,42 @@ def native_leaf(
     k: int = 0,
     p: Any = None,
     *,
+    method: str = "auto",
     want_sumsq: bool = False,
 ) -> tuple[IndexedSlices, Any, Any] | None:
-    """One sparse leaf through the native row-wise kernel, or ``None`` (XLA).
+    """One sparse leaf through the row-wise op, or ``None`` (the general path).
 
-    The kernel sums the gradient's rows per distinct id (reading a bag's
-    pooled gradient directly, see :func:`jaxslices.slices.with_recipe`),
-    applies the rule to each distinct row and its ``state`` row in place,
-    and returns the update rows on the distinct ids: ``(update, new_state,
-    sumsq)``, the update coalesced (and holding the kernel's raw rows and
-    count as its recipe). ``state`` is packed ``(V, k, *row)`` when ``k``.
+    ``None`` where the op does not express the configuration
+    (:func:`unexpressed`; recorded for ``explain``). Otherwise
+    :func:`kernel_ops.rowwise` is bound whatever the path, with
+    :func:`kernel_path.decide`'s reason: natively the kernel sums the
+    gradient's rows per distinct id (reading a bag's pooled gradient
+    directly, see :func:`jaxslices.slices.with_recipe`), applies the rule to
+    each distinct row and its ``state`` row in place; on the XLA path the
+    op's reference does the same on the gradient's rows (float32 rows for a
+    low-precision gradient, as the general path reads them), coalescing by
+    ``method``. Returns ``(update, new_state, sumsq)``, the update coalesced
+    (and holding the op's float32 rows as its recipe). ``state`` is packed
+    ``(V, k, *row)`` when ``k``.
     """
     label = where(name, path)
-    if native.refuse is not None:
-        kernel_path.note(label, native.refuse)
+    why = unexpressed(native, g, state, p)
+    if why:
+        kernel_path.note(label, why)
         return None
-    if not kernel_path.route(label, state, tables=(g.values, p)):
-        return None
+    reason = kernel_path.decide(state, tables=(g.values, p))
+    if not reason:
+        recipe = slices.kernel_input(g, label)
+    else:  # the rows the general path reads, laid out for the scatter into the state
+        values = (slices.float32_rows(g) if _low(g.dtype) else g).values
+        target = p if state is None else state
+        if target is not None:
+            values = _spmd.replicate_rows(target, values)
+        recipe = PooledGradient.of_rows(values)
     n = g.num_slices
     capacity = n if bound is None else min(bound, n)
     new_state, uids, rows, count, sumsq = kernel_ops.rowwise(
-        slices.kernel_input(g, label),
+        recipe,
         g.indices,
         num_rows=g.dense_shape[0],
         spec=native.spec,
@@ -493,7 +510,10 @@ def native_leaf(
         state=state,
         capacity=capacity,
         coalesced=g.unique_indices,
+        indices_sorted=g.indices_sorted,
+        method=method,
         want_sumsq=want_sumsq,
+        reason=reason,
         label=label,
     )
     if capacity < n:  # the distinct-row bound: more rows raise, none is dropped
@@ -506,13 +526,33 @@ def native_leaf(
     valid = (uids < g.dense_shape[0])[:, None]
     values = jnp.where(valid, rows, jnp.zeros((), rows.dtype))
     values = values.reshape((capacity, *g.row_shape)).astype(g.dtype)
+    # The kernel's ids come in order of first appearance; the reference's as
+    # jaxslices.coalesce orders them (`method`), which the flags then say.
+    kept = g.unique_indices and (g.indices_sorted or method in _coalesce.UNSORTED_OK)
+    sorted_ = bool(reason) and (
+        g.indices_sorted if kept else method not in _coalesce.UNSORTED_OK
+    )
     out = slices._with_flags(
         IndexedSlices(values, uids, g.dense_shape),
         unique_indices=True,
-        indices_sorted=False,
+        indices_sorted=sorted_,
     )
     out = slices.with_recipe(out, PooledGradient(rows))
     return out, new_state, sumsq
+
+
+def _low(dtype: Any) -> bool:
+    return _rounding.is_low_precision(dtype)
+
+
+def unexpressed(native: Native, g: IndexedSlices, state: Any, p: Any) -> str:
+    """Why the row-wise op does not express this sparse leaf's configuration
+    (``""``: it does): the rule's own refusal (``Native.refuse``), or dtypes
+    it does not take (a float32, bfloat16 or float16 gradient and
+    parameters, a float32 state). Never a question of the platform."""
+    if native.refuse is not None:
+        return native.refuse
+    return kernel_path.dtype_reason(state, tables=(g.values, p))
 
 
 def rowwise_update(
@@ -622,9 +662,8 @@ def rowwise_update(
         sr = sr is not False and any(low)
         if native is not None and n_trees <= 1:
             k = entries[0][2] if entries else 0
-            done = native_leaf(
-                name, path, g, native, bound, st[0] if st else None, k, p
-            )
+            st0 = st[0] if st else None
+            done = native_leaf(name, path, g, native, bound, st0, k, p, method=method)
             if done is not None:
                 return Out(done[0], *([done[1]] if st else []))
         # A low-precision table's gradient or state: one float32 result per
