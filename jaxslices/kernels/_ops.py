@@ -384,7 +384,8 @@ def _rowwise_reference(
 ):  # fmt: skip
     values = _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length)
     safe = jnp.where((ids >= 0) & (ids < num_rows), ids, num_rows).astype(ids.dtype)
-    if coalesced and (indices_sorted or method in _coalesce.UNSORTED_OK):
+    kept = coalesced and (indices_sorted or method in _coalesce.UNSORTED_OK)
+    if kept:
         # Distinct valid ids first, padding after, in an order `method`
         # accepts: kept as they are, cut to the capacity (the caller raises
         # past it), as jaxslices.coalesce keeps them.
@@ -395,9 +396,13 @@ def _rowwise_reference(
         summed, uids, count = _coalesce.coalesce_rows(
             values, safe, num_rows, method, capacity
         )
+    # XLA's promises, as the transforms make them: distinct ids, sorted
+    # where they came sorted or `method` sorts them.
+    sorted_ = indices_sorted if kept else method not in _coalesce.UNSORTED_OK
+    promises = {"unique_indices": True, "indices_are_sorted": bool(sorted_)}
     sumsq = jnp.sum(summed * summed)
     p_rows = state_rows = None
-    gather = {"mode": "fill", "fill_value": 0, "unique_indices": True}
+    gather = {"mode": "fill", "fill_value": 0, **promises}
     if spec.uses_params:
         p_rows = params.at[uids].get(**gather)
     if spec.uses_state:
@@ -411,7 +416,7 @@ def _rowwise_reference(
     if spec.uses_state:
         new_rows = _join_parts(new_parts).astype(state.dtype)
         new_rows = new_rows.reshape((-1, *state.shape[1:]))
-        state = state.at[uids].set(new_rows, mode="drop", unique_indices=True)
+        state = state.at[uids].set(new_rows, mode="drop", **promises)
     return [state, uids, out.astype(jnp.float32), count, sumsq.astype(jnp.float32)]
 
 
