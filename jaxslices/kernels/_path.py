@@ -5,9 +5,10 @@ traced (the kernels are on and load, the platform is the CPU, or a GPU
 inside :func:`gpu_kernels` with rows of a power-of-two width, float32
 arrays (a table and its gradient may also be bfloat16 or float16 on the
 CPU), not under ``jax.vmap``, not laid out over a mesh by ``jit``): through
-:func:`route` where its caller runs the XLA path itself, or by passing the
-reason to its primitive, bound in every case, whose lowering picks the
-kernel or the reference (the managed-collision remap's ops). An operation
+:func:`route` where its caller runs the XLA path itself (the row-wise
+rules), or by passing the reason to its primitive, bound in every case,
+whose lowering picks the kernel or the reference (the forward bag, the
+apply, the managed-collision remap's ops). An operation
 that takes the XLA path by itself records why with :func:`note`. Each
 decision is in the traced jaxpr (a marker primitive that computes nothing,
 or the op's own equation), so that :func:`jaxslices.kernels.explain` reads
@@ -201,8 +202,8 @@ def route(
 
     For an operation whose caller runs the XLA path itself when the kernel
     may not run; see :func:`decide` for the conditions. An op bound in every
-    case (the managed-collision remap's) passes :func:`decide`'s reason to
-    its primitive instead, which records it.
+    case (the forward bag, the apply, the managed-collision remap's) passes
+    :func:`decide`'s reason to its primitive instead, which records it.
     """
     reason = decide(*arrays, tables=tables, dtypes=dtypes)
     if reason:

@@ -39,6 +39,25 @@ over the bound; more distinct rows raise. Coalesced slices carry XLA's
 every gather and scatter here and in :func:`jaxslices.apply_updates`: the
 valid indices are distinct, and padding slots (index ``V``) are out of
 bounds, so they are dropped by scatters and filled by gathers.
+
+**Which body runs.** A sparse leaf of a rule with a kernel (a
+:class:`~jaxslices.kernels._ops.RuleSpec`, given as :class:`Native`), at
+most one state tree, a float32 state, a float32, bfloat16 or float16
+gradient and parameters, and no refusal by the rule (``Native.refuse``:
+``mu_dtype``, ``accumulator_dtype``) runs the row-wise op
+(:func:`jaxslices.kernels._ops.rowwise`, :func:`native_leaf`) where
+:func:`jaxslices.kernels._path.route` says native. Everything else runs the
+body here (coalesce, gather, rule, scatter): the XLA path of those leaves,
+dense leaves (the rule on whole arrays: Optax's numbers), several state
+trees, low-precision states (read in float32, written rounded,
+stochastically), float64 and complex leaves, rules without a kernel. The
+XLA path of the leaves the op expresses stays here rather than in the op's
+reference (unlike the bag and the apply, bound on either path): the
+reference runs the rule's ``RuleSpec`` body, whose float32
+hyperparameters give lazy Adam and FTRL other last bits than the rule
+here (Python's float64 constants, Optax's), and the state's gathers and
+scatters, whose XLA promises the tests read in the step's jaxpr, would
+move inside the op.
 """
 
 from __future__ import annotations
