@@ -379,7 +379,7 @@ def _materialize(
 
 def _rowwise_reference(
     src, ids, bag, weight, scale, hp, params, state, *, has_bag, has_weight,
-    length, num_rows, capacity, spec, coalesced, method="auto",
+    length, num_rows, capacity, spec, coalesced=False, method="auto",
     indices_sorted=False, **_,
 ):  # fmt: skip
     values = _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length)

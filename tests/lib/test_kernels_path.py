@@ -271,3 +271,19 @@ def test_the_rule_ops_reference_coalesces_by_its_method():
     uids, rows = op(kept, coalesced=True, method="hash")
     np.testing.assert_array_equal(uids, kept)
     np.testing.assert_array_equal(rows[:2], values[:2])
+
+
+def test_jax_jvp_goes_through_an_xla_path_bag():
+    """The bag op's own JVP rule serves both paths (the XLA lookup's
+    custom_vjp refused forward mode): a mean bag is linear in the table."""
+    rng = np.random.default_rng(7)
+    table, tangent = (jnp.asarray(rng.normal(size=(12, 3)), jnp.float32) for _ in "ab")
+    ids = jnp.asarray(rng.integers(-1, 13, size=(4, 5)))
+
+    def bag(t):
+        return js.embedding_bag(t, ids, combiner="mean")
+
+    with js.kernels.disabled():
+        out, t_out = jax.jvp(bag, (table,), (tangent,))
+        np.testing.assert_array_equal(out, bag(table))
+        np.testing.assert_allclose(t_out, bag(tangent), rtol=1e-6, atol=1e-7)
