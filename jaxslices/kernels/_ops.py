@@ -357,8 +357,14 @@ def _recipe_args(recipe: PooledGradient) -> tuple[list[Any], dict[str, bool]]:
 
 
 # The attributes of a kernel that reads a recipe and its ids (the row-wise
-# rules, the apply): the recipe's operands present, the ids distinct.
-_RECIPE_ATTRS = {"has_bag": np.bool_, "has_weight": np.bool_, "coalesced": np.bool_}
+# rules, the apply): the recipe's operands present and its padded bags'
+# length, the ids distinct.
+_RECIPE_ATTRS = {
+    "has_bag": np.bool_,
+    "has_weight": np.bool_,
+    "length": np.int64,
+    "coalesced": np.bool_,
+}
 
 
 def _materialize(
@@ -448,7 +454,6 @@ _ROWWISE = NativeOp(
         "want_sumsq": np.bool_,
         "nesterov": np.bool_,
         "sqrt_power": np.bool_,
-        "length": np.int64,
         "num_rows": np.int64,
     },
     ids_operand=1,
@@ -611,7 +616,6 @@ _APPLY = NativeOp(
         **_RECIPE_ATTRS,
         "sum_duplicates": np.bool_,
         "stochastic": np.bool_,
-        "length": np.int64,
     },
     ids_operand=2,
     gpu=_pallas.apply,
