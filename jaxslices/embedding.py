@@ -372,112 +372,117 @@ def embedding_bag(
         return _max_pool(rows, counted, segments)
     if max_norm is not None and handler is None:
         kernel_path.note(where, "max_norm (the bag kernel does not renormalise rows)")
-    native = (
-        handler is None
-        and max_norm is None
-        and (dtype is None or jnp.dtype(dtype) == table.dtype)
-        and kernel_path.route(where, safe, tables=(table, weights))
-    )
+    why = _not_expressed(table, handler, max_norm, dtype)
     expected = _tape.expects_pooled(table) if handler is None else None
-    if expected is not None:  # the path this value_and_grad's discovery took
-        native = expected
-    if native:
-        compute = table.dtype
-        w = counted.astype(compute)
+    if expected is False and not why:  # this value_and_grad's discovery took rows
+        why = "rows looked up by this value_and_grad's first trace"
+    if not why:  # the bag op, on either path (its reference is the XLA path)
+        w = counted.astype(table.dtype)
         if weights is not None:
-            w = w * weights.astype(compute)
-        return _native_bag(table, safe, w, segments, combiner, strict)
+            w = w * weights.astype(table.dtype)
+        reason = kernel_path.decide(safe, tables=(table, weights))
+        return _bag(table, safe, w, segments, combiner, strict, reason)
+    if handler is None and max_norm is None:
+        kernel_path.note(where, why)
     rows = _finish(
         _lookup_rows(table, safe, handler, strict), table, max_norm, norm_type, dtype
     )
-    compute = rows.dtype
-    w = counted.astype(compute)
+    w = counted.astype(rows.dtype)
     if weights is not None:
-        w = w * weights.astype(compute)
+        w = w * weights.astype(rows.dtype)
+    return _combine(rows, w, segments, combiner)
+
+
+def _not_expressed(table: Any, handler: Any, max_norm: Any, dtype: Any) -> str:
+    """Why the bag op (:func:`kernel_ops.bag_forward`) does not express this
+    lookup (``""``: it does): it pools a float32, bfloat16 or float16 array
+    table's own rows in float32 into the table's dtype."""
+    if handler is not None:
+        return "a table of a lookup handler"
+    if max_norm is not None:
+        return "max_norm (the bag kernel does not renormalise rows)"
+    why = kernel_path.dtype_reason(tables=(table,))
+    if why:
+        return why
+    if dtype is not None and jnp.dtype(dtype) != table.dtype:
+        return "a dtype cast of the rows (the bag op pools in the table's dtype)"
+    return ""
+
+
+def _layout(
+    ids_shape: tuple[int, ...], segments: tuple[jax.Array, int] | None
+) -> tuple[tuple[int, ...], dict[str, Any], Any]:
+    """The bags of ``ids_shape`` (padded) or of ``segments`` (jagged):
+    ``(lead, bags, reduce)``, ``lead`` the result's leading shape, ``bags``
+    :func:`kernel_ops.pool_rows`' ``num_bags``, ``length`` and ``bag``,
+    ``reduce`` a sum over each bag's slots (of the weights, for
+    :func:`combiner_scale`)."""
     if segments is None:
-        reduce = functools.partial(jnp.sum, axis=ids.ndim - 1)
-    else:
-        reduce = functools.partial(_segment_sum, segments=segments)
-    return _combine(rows, w, reduce, combiner)
+        lead = tuple(ids_shape[:-1])
+        bags = {"num_bags": math.prod(lead), "length": int(ids_shape[-1])}
+        return lead, bags, functools.partial(jnp.sum, axis=len(ids_shape) - 1)
+    bag_ids, num_bags = segments
+    bags = {"num_bags": num_bags, "bag": jnp.asarray(bag_ids, jnp.int32)}
+    return (num_bags,), bags, functools.partial(_segment_sum, segments=segments)
 
 
-def _native_bag(
+def _bag(
     table: jax.Array,
     safe: jax.Array,
     w: jax.Array,
     segments: tuple[jax.Array, int] | None,
     combiner: str,
     strict: bool,
+    reason: str,
 ) -> jax.Array:
-    """:func:`embedding_bag` on the native path (:mod:`jaxslices.kernels`).
-
-    Same values as the XLA path (the sums are taken in another order: float
-    rounding); see :func:`pool`.
-    """
-    row_shape = tuple(table.shape[1:])
-    if segments is None:
-        lead, length = tuple(safe.shape[:-1]), int(safe.shape[-1])
-        num_bags, bag_ids = math.prod(lead), None
-        reduce = functools.partial(jnp.sum, axis=safe.ndim - 1)
-    else:
-        bag_ids, num_bags = segments
-        bag_ids = jnp.asarray(bag_ids, jnp.int32)
-        lead, length = (num_bags,), 0
-        reduce = functools.partial(_segment_sum, segments=segments)
+    """:func:`embedding_bag` through the bag op, on either path: ``reason``
+    (:func:`jaxslices.kernels._path.decide`'s) sends its lowering to its XLA
+    reference, which pools as the kernel does (the rows read in float32, the
+    result rounded once into the table's dtype); see :func:`pool`."""
+    lead, bags, reduce = _layout(tuple(safe.shape), segments)
     scale = combiner_scale(combiner, w, reduce)
-    if scale is not None:
-        scale = scale.reshape(-1)
     out = pool(
         table,
         safe.reshape(-1),
         weight=w.reshape(-1),
-        scale=scale,
-        num_bags=num_bags,
-        length=length,
-        bag=bag_ids,
+        scale=None if scale is None else scale.reshape(-1),
         strict=strict,
+        reason=reason,
+        **bags,
     )
     if out is _tape.ROWS:  # below the loss's top level (vmap): the rows path
-        rows = _lookup_rows(table, safe, None, strict)
-        return _combine(rows, w, reduce, combiner)
-    return out.reshape(lead + row_shape)
+        kernel_path.note("embedding_bag", reason or kernel_path.VMAP)
+        # pooled as the op pools: in float32, rounded once
+        wide = jnp.promote_types(table.dtype, jnp.float32)
+        rows = _lookup_rows(table, safe, None, strict).astype(wide)
+        scale = None if scale is None else scale.astype(wide)
+        out = _pooled(rows, w.astype(wide), scale, segments).astype(table.dtype)
+        return out
+    return out.reshape(lead + tuple(table.shape[1:]))
 
 
-def pool(
-    table: jax.Array,
-    ids: jax.Array,
-    *,
-    weight: jax.Array | None,
-    scale: jax.Array | None,
-    num_bags: int,
-    length: int = 0,
-    bag: jax.Array | None = None,
-    strict: bool = False,
-) -> Any:
-    """Pooled rows ``[num_bags, *row]`` through the native bag kernel.
+def pool(table: jax.Array, ids: jax.Array, *, strict: bool = False, **bags: Any) -> Any:
+    """Pooled rows ``[num_bags, *row]`` through the bag op
+    (:func:`kernel_ops.bag_forward`, whose arguments ``bags`` are:
+    ``weight``, ``scale``, ``num_bags``, ``length``, ``bag``, ``reason``).
 
     ``out[b] = scale[b] * sum_{s in bag b} weight[s] * table[ids[s]]``, with
     ``ids`` ``[N]`` safe ids (padding ``V``), bags padded (``length`` slots
-    each) or given per slot (``bag``, ``num_bags`` for an unused slot). The
-    caller has routed it (``kernels._path.route``). Under
+    each) or given per slot (``bag``, ``num_bags`` for an unused slot).
+    ``reason`` (:func:`jaxslices.kernels._path.decide`'s; default ``""``,
+    native): why the op's XLA reference runs. Under
     :func:`jaxslices.value_and_grad` the tap is the pooled output, so the
     table's gradient is the pooled gradient with the bags' ids and weights
-    (a recipe), never the ``[N, D]`` rows. Returns :data:`_tape.ROWS` below
-    the loss's top level (``vmap``): the caller looks the rows up instead.
+    (a recipe), never the ``[N, D]`` rows, on either path. Returns
+    :data:`_tape.ROWS` below the loss's top level (``vmap``): the caller
+    looks the rows up instead.
     """
     row_shape = tuple(table.shape[1:])
+    num_bags, weight = bags["num_bags"], bags.get("weight")
 
     def forward(t, *, dense_check):
         out = kernel_ops.bag_forward(
-            t,
-            ids,
-            weight=weight,
-            scale=scale,
-            num_bags=num_bags,
-            length=length,
-            bag=bag,
-            strict=strict,
-            dense_check=dense_check,
+            t, ids, strict=strict, dense_check=dense_check, **bags
         )
         return out.reshape((num_bags, *row_shape))
 
@@ -486,9 +491,9 @@ def pool(
         (num_bags, *row_shape),
         table.dtype,
         jnp.ones(ids.shape, table.dtype) if weight is None else weight,
-        scale,
-        bag,
-        length,
+        bags.get("scale"),
+        bags.get("bag"),
+        bags.get("length", 0),
     )
     out = _tape.bag(table, ids, lookup)
     if out is None:
@@ -564,14 +569,36 @@ def _segment_sum(x: jax.Array, segments: tuple[jax.Array, int]) -> jax.Array:
     return out.at[seg].add(x, mode="drop", indices_are_sorted=True)
 
 
-def _combine(rows: jax.Array, w: jax.Array, reduce: Any, combiner: str) -> jax.Array:
-    """``reduce`` (over the bag's slots) of ``w·rows``, scaled by the combiner."""
-    w_rows = w.reshape(w.shape + (1,) * (rows.ndim - w.ndim))
-    total = reduce(rows * w_rows)
-    scale = combiner_scale(combiner, w, reduce)
-    if scale is None:
-        return total
-    return total * scale.reshape(scale.shape + (1,) * (total.ndim - scale.ndim))
+def _combine(
+    rows: jax.Array,
+    w: jax.Array,
+    segments: tuple[jax.Array, int] | None,
+    combiner: str,
+) -> jax.Array:
+    """Each bag's sum of ``w·rows``, scaled by the combiner, in ``rows``' dtype
+    (the lookups the bag op does not express)."""
+    _, _, reduce = _layout(tuple(w.shape), segments)
+    return _pooled(rows, w, combiner_scale(combiner, w, reduce), segments)
+
+
+def _pooled(
+    rows: jax.Array,
+    w: jax.Array,
+    scale: jax.Array | None,
+    segments: tuple[jax.Array, int] | None,
+) -> jax.Array:
+    """:func:`kernel_ops.pool_rows` (the bag op's pooling) of rows laid out as
+    their ids (``w.shape + row``), the result laid out as the bags."""
+    lead, bags, _ = _layout(tuple(w.shape), segments)
+    row_shape = tuple(rows.shape[w.ndim :])
+    out = kernel_ops.pool_rows(
+        rows.reshape(math.prod(w.shape), math.prod(row_shape)),
+        w.reshape(-1),
+        None if scale is None else scale.reshape(-1),
+        bags_sorted=segments is not None,
+        **bags,
+    )
+    return out.reshape(lead + row_shape)
 
 
 def combiner_scale(

@@ -117,6 +117,41 @@ _NONE_F32 = np.zeros((0,), np.float32)
 # ------------------------------------------------------------ forward bag
 
 
+def pool_rows(
+    rows: jax.Array,
+    weight: jax.Array | None,
+    scale: jax.Array | None,
+    *,
+    num_bags: int,
+    length: int = 0,
+    bag: jax.Array | None = None,
+    bags_sorted: bool = False,
+) -> jax.Array:
+    """``out[b] = scale[b] * sum_{s in b} weight[s] * rows[s]``: the bag's pooling.
+
+    ``rows`` ``[N, R]`` (the result ``[num_bags, R]`` has their dtype);
+    ``weight`` ``[N]`` and ``scale`` ``[num_bags]`` or ``None`` (1); bags
+    padded (``length`` slots each) or given per slot (``bag``; a slot outside
+    ``[0, num_bags)`` is unused; ``bags_sorted``: XLA's promise that ``bag``
+    is sorted). The one pooling of :func:`embedding_bag
+    <jaxslices.embedding_bag>`: this op's XLA reference pools with it, and so
+    do the lookups the op does not express (max_norm, a dtype cast, a table
+    of a lookup handler).
+    """
+    if weight is not None:
+        rows = rows * weight[:, None]
+    if bag is not None:
+        out = jnp.zeros((num_bags, rows.shape[1]), rows.dtype)
+        # A bag outside [0, B) is an unused slot (JAX would wrap a negative one).
+        bag = jnp.where((bag >= 0) & (bag < num_bags), bag, num_bags)
+        total = out.at[bag].add(rows, mode="drop", indices_are_sorted=bags_sorted)
+    else:  # padded bags (length 0: no slots, every bag empty)
+        total = jnp.sum(rows.reshape(num_bags, length, rows.shape[1]), axis=1)
+    if scale is not None:
+        total = total * scale[:, None]
+    return total
+
+
 def _bag_reference(
     table, ids, bag, weight, scale, *, has_bag, has_weight, has_scale, length,
     num_bags, **_,
@@ -127,17 +162,14 @@ def _bag_reference(
     rows = flat_rows(table.at[safe].get(mode="fill", fill_value=0))
     # Pooled in (at least) float32, rounded once into the table's dtype.
     rows = rows.astype(jnp.promote_types(table.dtype, jnp.float32))
-    if has_weight:
-        rows = rows * weight[:, None]
-    if has_bag:
-        out = jnp.zeros((num_bags, rows.shape[1]), rows.dtype)
-        # A bag outside [0, B) is an unused slot (JAX would wrap a negative one).
-        bag = jnp.where((bag >= 0) & (bag < num_bags), bag, num_bags)
-        total = out.at[bag].add(rows, mode="drop")
-    else:  # padded bags (length 0: no slots, every bag empty)
-        total = jnp.sum(rows.reshape(num_bags, length, rows.shape[1]), axis=1)
-    if has_scale:
-        total = total * scale[:, None]
+    total = pool_rows(
+        rows,
+        weight if has_weight else None,
+        scale if has_scale else None,
+        num_bags=num_bags,
+        length=length,
+        bag=bag if has_bag else None,
+    )
     return [total.astype(table.dtype).reshape((num_bags, *row_shape))]
 
 
@@ -196,6 +228,7 @@ def bag_forward(
     label: str = "embedding_bag",
     strict: bool = False,
     dense_check: bool = True,
+    reason: str = "",
 ) -> jax.Array:
     """``out[b] = scale[b] * sum_{s in b} weight[s] * table[ids[s]]``.
 
@@ -212,6 +245,13 @@ def bag_forward(
     (``strict``: the lookup's own switch), as the XLA lookups do; the tape's
     own lookups (whose table an outer transformation may differentiate)
     pass ``False``.
+
+    The one body of the bags this op expresses (``embedding_bag``'s sum,
+    mean and sqrtn of a float32, bfloat16 or float16 table, a collection's
+    buffers): bound whatever the path, with :func:`_path.decide`'s
+    ``reason`` (``""``: native); its lowering runs the kernel or this op's
+    XLA reference (:func:`pool_rows` on the rows read in float32), which is
+    the XLA path.
     """
     check_ids_dtype(ids, label)
     if bag is None and ids.shape[0] != num_bags * length:
@@ -233,6 +273,7 @@ def bag_forward(
         label=label,
         strict=bool(strict),
         dense_check=bool(dense_check),
+        reason=str(reason),
     )
     return out[0]
 
@@ -315,6 +356,17 @@ def _recipe_args(recipe: PooledGradient) -> tuple[list[Any], dict[str, bool]]:
     return [src, bag, weight, scale], present
 
 
+# The attributes of a kernel that reads a recipe and its ids (the row-wise
+# rules, the apply): the recipe's operands present and its padded bags'
+# length, the ids distinct.
+_RECIPE_ATTRS = {
+    "has_bag": np.bool_,
+    "has_weight": np.bool_,
+    "length": np.int64,
+    "coalesced": np.bool_,
+}
+
+
 def _materialize(
     src, ids, bag, weight, scale, has_bag, has_weight, length, has_scale=True
 ):
@@ -333,16 +385,30 @@ def _materialize(
 
 def _rowwise_reference(
     src, ids, bag, weight, scale, hp, params, state, *, has_bag, has_weight,
-    length, num_rows, capacity, spec, **_,
+    length, num_rows, capacity, spec, coalesced=False, method="auto",
+    indices_sorted=False, **_,
 ):  # fmt: skip
     values = _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length)
     safe = jnp.where((ids >= 0) & (ids < num_rows), ids, num_rows).astype(ids.dtype)
-    summed, uids, count = _coalesce.coalesce_rows(
-        values, safe, num_rows, "auto", capacity
-    )
+    kept = coalesced and (indices_sorted or method in _coalesce.UNSORTED_OK)
+    if kept:
+        # Distinct valid ids first, padding after, in an order `method`
+        # accepts: kept as they are, cut to the capacity (the caller raises
+        # past it), as jaxslices.coalesce keeps them.
+        uids, summed = safe[:capacity], values[:capacity]
+        count = jnp.sum(safe < num_rows, dtype=jnp.int32)
+        summed = jnp.where((uids < num_rows)[:, None], summed, 0).astype(summed.dtype)
+    else:
+        summed, uids, count = _coalesce.coalesce_rows(
+            values, safe, num_rows, method, capacity
+        )
+    # XLA's promises, as the transforms make them: distinct ids, sorted
+    # where they came sorted or `method` sorts them.
+    sorted_ = indices_sorted if kept else method not in _coalesce.UNSORTED_OK
+    promises = {"unique_indices": True, "indices_are_sorted": bool(sorted_)}
     sumsq = jnp.sum(summed * summed)
     p_rows = state_rows = None
-    gather = {"mode": "fill", "fill_value": 0, "unique_indices": True}
+    gather = {"mode": "fill", "fill_value": 0, **promises}
     if spec.uses_params:
         p_rows = params.at[uids].get(**gather)
     if spec.uses_state:
@@ -356,7 +422,7 @@ def _rowwise_reference(
     if spec.uses_state:
         new_rows = _join_parts(new_parts).astype(state.dtype)
         new_rows = new_rows.reshape((-1, *state.shape[1:]))
-        state = state.at[uids].set(new_rows, mode="drop", unique_indices=True)
+        state = state.at[uids].set(new_rows, mode="drop", **promises)
     return [state, uids, out.astype(jnp.float32), count, sumsq.astype(jnp.float32)]
 
 
@@ -384,13 +450,10 @@ _ROWWISE = NativeOp(
     aliases={7: 0},
     attrs={
         "rule": np.int32,
-        "has_bag": np.bool_,
-        "has_weight": np.bool_,
-        "coalesced": np.bool_,
+        **_RECIPE_ATTRS,
         "want_sumsq": np.bool_,
         "nesterov": np.bool_,
         "sqrt_power": np.bool_,
-        "length": np.int64,
         "num_rows": np.int64,
     },
     ids_operand=1,
@@ -409,7 +472,10 @@ def rowwise(
     state: jax.Array | None = None,
     capacity: int,
     coalesced: bool = False,
+    indices_sorted: bool = False,
+    method: str = "auto",
     want_sumsq: bool = False,
+    reason: str = "",
     label: str = "",
 ) -> tuple[jax.Array | None, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Sum a recipe's rows per distinct id, then ``spec``'s rule per row.
@@ -427,6 +493,16 @@ def rowwise(
     distinct ids (may exceed ``capacity``: the caller raises, and then the
     state is unchanged); the squared norm of the summed rows (``want_sumsq``).
     No ids (``N = 0``): nothing summed, the state as it was.
+
+    The one body of the row-wise rules it expresses
+    (``transforms._rowwise.rowwise_update``): bound whatever the path, with
+    :func:`_path.decide`'s ``reason`` (``""``: native); its lowering runs
+    the kernel or this op's XLA reference, which is the XLA path. The
+    reference sums duplicates by the coalescing ``method``
+    (:func:`jaxslices.coalesce`; the kernel hashes, whatever the method) and
+    keeps ids that are ``coalesced`` already (distinct valid ids first,
+    padding after; ``indices_sorted``, or a method that takes any order) as
+    they are, as :func:`jaxslices.coalesce` does.
     """
     check_ids_dtype(ids, label or "rowwise")
     args, present = _recipe_args(recipe)
@@ -443,6 +519,8 @@ def rowwise(
         rule=spec.rule,
         **present,
         coalesced=bool(coalesced),
+        indices_sorted=bool(indices_sorted),
+        method=str(method),
         want_sumsq=bool(want_sumsq),
         nesterov=bool(spec.nesterov),
         sqrt_power=bool(spec.sqrt_power),
@@ -450,6 +528,7 @@ def rowwise(
         num_rows=int(num_rows),
         capacity=int(capacity),
         spec=spec,
+        reason=str(reason),
         label=label,
     )
     return (st if spec.uses_state else None), uids, rows, count, sumsq
@@ -534,12 +613,9 @@ _APPLY = NativeOp(
     _apply_abstract,
     aliases={0: 0},
     attrs={
-        "has_bag": np.bool_,
-        "has_weight": np.bool_,
-        "coalesced": np.bool_,
+        **_RECIPE_ATTRS,
         "sum_duplicates": np.bool_,
         "stochastic": np.bool_,
-        "length": np.int64,
     },
     ids_operand=2,
     gpu=_pallas.apply,

@@ -5,9 +5,10 @@ traced (the kernels are on and load, the platform is the CPU, or a GPU
 inside :func:`gpu_kernels` with rows of a power-of-two width, float32
 arrays (a table and its gradient may also be bfloat16 or float16 on the
 CPU), not under ``jax.vmap``, not laid out over a mesh by ``jit``): through
-:func:`route` where its caller runs the XLA path itself, or by passing the
-reason to its primitive, bound in every case, whose lowering picks the
-kernel or the reference (the managed-collision remap's ops). An operation
+:func:`route` where its caller runs the XLA path itself (the row-wise
+rules), or by passing the reason to its primitive, bound in every case,
+whose lowering picks the kernel or the reference (the forward bag, the
+apply, the managed-collision remap's ops). An operation
 that takes the XLA path by itself records why with :func:`note`. Each
 decision is in the traced jaxpr (a marker primitive that computes nothing,
 or the op's own equation), so that :func:`jaxslices.kernels.explain` reads
@@ -44,6 +45,7 @@ __all__ = [
     "Decision",
     "decide",
     "disabled",
+    "dtype_reason",
     "gpu_kernels",
     "note",
     "note_materialised",
@@ -170,6 +172,9 @@ MARKER = "jaxslices_path_note"
 XLA, MATERIALISED = "xla", "materialised"
 
 
+VMAP = "inside jax.vmap (the kernels run one problem at a time)"
+
+
 def note(op: str, reason: str) -> None:
     """Record that ``op`` takes the XLA path because of ``reason``."""
     _record(op, reason, XLA)
@@ -197,13 +202,49 @@ def route(
 
     For an operation whose caller runs the XLA path itself when the kernel
     may not run; see :func:`decide` for the conditions. An op bound in every
-    case (the managed-collision remap's) passes :func:`decide`'s reason to
-    its primitive instead, which records it.
+    case (the forward bag, the apply, the managed-collision remap's) passes
+    :func:`decide`'s reason to its primitive instead, which records it.
     """
     reason = decide(*arrays, tables=tables, dtypes=dtypes)
     if reason:
         note(op, reason)
     return not reason
+
+
+def dtype_reason(
+    *arrays: Any,
+    tables: tuple[Any, ...] = (),
+    dtypes: tuple[Any, ...] = (jnp.float32,),
+) -> str:
+    """Why the ops do not take these arrays' dtypes (``""``: they do).
+
+    The dtype conditions of :func:`decide` on the CPU (``None`` entries
+    skipped): a question about an operation's configuration, not about the
+    platform, for a caller whose op expresses only these dtypes.
+    """
+    for x, allowed, is_table in [(x, dtypes, False) for x in arrays] + [
+        (x, TABLE_DTYPES, True) for x in tables
+    ]:
+        why = "" if x is None else _dtype_reason(x, allowed, is_table)
+        if why:
+            return why
+    return ""
+
+
+def _dtype_reason(x: Any, allowed: tuple[Any, ...], is_table: bool) -> str:
+    dtype = jnp.result_type(x)
+    if is_table and not jnp.issubdtype(dtype, jnp.inexact):
+        return f"a {jnp.dtype(dtype).name} table (the kernels take float tables)"
+    if jnp.issubdtype(dtype, jnp.inexact) and dtype not in allowed:
+        names = ", ".join(jnp.dtype(d).name for d in allowed)
+        if not is_table and jnp.dtype(dtype) in TABLE_DTYPES:
+            return (
+                f"a {jnp.dtype(dtype).name} array where the kernels take "
+                f"{names} (bfloat16/float16 tables are native, their "
+                "optimizer state is float32)"
+            )
+        return f"a {jnp.dtype(dtype).name} array (the kernels take {names})"
+    return ""
 
 
 def decide(
@@ -244,20 +285,11 @@ def decide(
     for x, allowed, is_table in checks:
         if x is None:
             continue
-        dtype = jnp.result_type(x)
-        if is_table and not jnp.issubdtype(dtype, jnp.inexact):
-            return f"a {jnp.dtype(dtype).name} table (the kernels take float tables)"
-        if jnp.issubdtype(dtype, jnp.inexact) and dtype not in allowed:
-            names = ", ".join(jnp.dtype(d).name for d in allowed)
-            if not is_table and jnp.dtype(dtype) in TABLE_DTYPES:
-                return (
-                    f"a {jnp.dtype(dtype).name} array where the kernels take "
-                    f"{names} (bfloat16/float16 tables are native, their "
-                    "optimizer state is float32)"
-                )
-            return f"a {jnp.dtype(dtype).name} array (the kernels take {names})"
+        why = _dtype_reason(x, allowed, is_table)
+        if why:
+            return why
         if _jax_compat.is_batched(x):
-            return "inside jax.vmap (the kernels run one problem at a time)"
+            return VMAP
         mesh = _jax_compat.abstract_mesh(x)
         if mesh is not None and mesh.size > 1:
             kinds = _jax_compat.axis_kinds(mesh)

@@ -188,6 +188,9 @@ class NativeOp:
         return ref(ctx, *operands, **params)
 
     def _batch(self, args: Any, dims: Any, **params: Any) -> Any:
+        # vmap replaces the op by its vmapped reference: its decision is
+        # noted for `explain` instead of the equation it would have read.
+        _path.note(params.get("label") or self.name, params["reason"] or _path.VMAP)
         fun = functools.partial(self.reference, **params)
         out = jax.vmap(lambda *a: tuple(fun(*a)), in_axes=tuple(dims))(*args)
         return list(out), [0] * len(out)

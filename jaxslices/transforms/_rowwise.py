@@ -39,6 +39,25 @@ over the bound; more distinct rows raise. Coalesced slices carry XLA's
 every gather and scatter here and in :func:`jaxslices.apply_updates`: the
 valid indices are distinct, and padding slots (index ``V``) are out of
 bounds, so they are dropped by scatters and filled by gathers.
+
+**Which body runs.** A sparse leaf of a rule with a kernel (a
+:class:`~jaxslices.kernels._ops.RuleSpec`, given as :class:`Native`), at
+most one state tree, a float32 state, a float32, bfloat16 or float16
+gradient and parameters, and no refusal by the rule (``Native.refuse``:
+``mu_dtype``, ``accumulator_dtype``) runs the row-wise op
+(:func:`jaxslices.kernels._ops.rowwise`, :func:`native_leaf`) where
+:func:`jaxslices.kernels._path.route` says native. Everything else runs the
+body here (coalesce, gather, rule, scatter): the XLA path of those leaves,
+dense leaves (the rule on whole arrays: Optax's numbers), several state
+trees, low-precision states (read in float32, written rounded,
+stochastically), float64 and complex leaves, rules without a kernel. The
+XLA path of the leaves the op expresses stays here rather than in the op's
+reference (unlike the bag and the apply, bound on either path): the
+reference runs the rule's ``RuleSpec`` body, whose float32
+hyperparameters give lazy Adam and FTRL other last bits than the rule
+here (Python's float64 constants, Optax's), and the state's gathers and
+scatters, whose XLA promises the tests read in the step's jaxpr, would
+move inside the op.
 """
 
 from __future__ import annotations
@@ -464,6 +483,7 @@ def native_leaf(
     k: int = 0,
     p: Any = None,
     *,
+    method: str = "auto",
     want_sumsq: bool = False,
 ) -> tuple[IndexedSlices, Any, Any] | None:
     """One sparse leaf through the native row-wise kernel, or ``None`` (XLA).
@@ -474,6 +494,8 @@ def native_leaf(
     and returns the update rows on the distinct ids: ``(update, new_state,
     sumsq)``, the update coalesced (and holding the kernel's raw rows and
     count as its recipe). ``state`` is packed ``(V, k, *row)`` when ``k``.
+    ``method``: the coalescing method, which the op's reference follows
+    where its lowering runs it (the kernel hashes).
     """
     label = where(name, path)
     if native.refuse is not None:
@@ -493,6 +515,8 @@ def native_leaf(
         state=state,
         capacity=capacity,
         coalesced=g.unique_indices,
+        indices_sorted=g.indices_sorted,
+        method=method,
         want_sumsq=want_sumsq,
         label=label,
     )
@@ -622,9 +646,8 @@ def rowwise_update(
         sr = sr is not False and any(low)
         if native is not None and n_trees <= 1:
             k = entries[0][2] if entries else 0
-            done = native_leaf(
-                name, path, g, native, bound, st[0] if st else None, k, p
-            )
+            st0 = st[0] if st else None
+            done = native_leaf(name, path, g, native, bound, st0, k, p, method=method)
             if done is not None:
                 return Out(done[0], *([done[1]] if st else []))
         # A low-precision table's gradient or state: one float32 result per
