@@ -245,9 +245,14 @@ def _thread(leaf: Any, token: jax.Array) -> jax.Array:
 
 
 def _mesh_of(arrays: Sequence[Any]) -> Any | None:
+    """The mesh of more than one device the arrays are laid out on under
+    plain ``jit`` (``None``: none; also inside ``shard_map``, whose mesh is
+    all ``Manual``: there each device fires its own callback)."""
     for x in arrays:
         mesh = _jax_compat.abstract_mesh(x)
         if mesh is not None and mesh.size > 1:
+            if _jax_compat.axis_kinds(mesh) == frozenset({"Manual"}):
+                return None
             return mesh
     return None
 

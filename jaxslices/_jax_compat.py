@@ -700,8 +700,18 @@ def all_gather_invariant(x: Any, axes: tuple[str, ...]) -> Any:
     ``psum``, with more communication.
     """
     if AVAILABLE["all_gather_invariant"]:
-        return jax.lax.all_gather(x, axes, axis=0, tiled=True, to="invarying")
+        return jax.tree.map(lambda a: _gather_invariant(a, axes), x)
     return jax.tree.map(lambda a: _gather_by_psum(a, axes), x)
+
+
+def _gather_invariant(a: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    # JAX 0.12.1 gathers only what varies over the axes: an invariant leaf
+    # (e.g. values made by jnp.ones beside varying ids) is cast first.
+    varying = varying_axes(a)
+    missing = () if varying is None else tuple(n for n in axes if n not in varying)
+    if missing and AVAILABLE["pcast_varying"]:
+        a = pcast_varying(a, missing)
+    return jax.lax.all_gather(a, axes, axis=0, tiled=True, to="invarying")
 
 
 def _gather_by_psum(a: jax.Array, axes: tuple[str, ...]) -> jax.Array:

@@ -391,7 +391,7 @@ def _rowwise_reference(
     values = _materialize(src, ids, bag, weight, scale, has_bag, has_weight, length)
     safe = jnp.where((ids >= 0) & (ids < num_rows), ids, num_rows).astype(ids.dtype)
     kept = coalesced and (indices_sorted or method in _coalesce.UNSORTED_OK)
-    if kept:
+    if kept or ids.shape[0] == 0:  # (no slots: nothing to coalesce)
         # Distinct valid ids first, padding after, in an order `method`
         # accepts: kept as they are, cut to the capacity (the caller raises
         # past it), as jaxslices.coalesce keeps them.
@@ -409,20 +409,22 @@ def _rowwise_reference(
     sumsq = jnp.sum(summed * summed)
     p_rows = state_rows = None
     gather = {"mode": "fill", "fill_value": 0, **promises}
-    if spec.uses_params:
-        p_rows = params.at[uids].get(**gather)
+    # Rows as [V, S] (the kernels' layout): one gather and one scatter each.
+    if spec.uses_params:  # a bfloat16/float16 table's rows, read in float32
+        p_rows = flat_rows(params).at[uids].get(**gather)
+        p_rows = p_rows.astype(jnp.promote_types(params.dtype, jnp.float32))
     if spec.uses_state:
-        state_rows = state.at[uids].get(**gather)
-    if p_rows is not None:  # a bfloat16/float16 table's rows, read in float32
-        p_rows = flat_rows(p_rows).astype(jnp.promote_types(params.dtype, jnp.float32))
-    parts = () if state_rows is None else state_parts(flat_rows(state_rows), spec.shape)
+        state_rows = flat_rows(state).at[uids].get(**gather)
+    parts = () if state_rows is None else state_parts(state_rows, spec.shape)
     out, new_parts = spec.reference(summed, parts, p_rows, hp, spec.cfg)
     valid = (uids < num_rows)[:, None]
     out = jnp.where(valid, out, jnp.zeros((), out.dtype))
     if spec.uses_state:
-        new_rows = _join_parts(new_parts).astype(state.dtype)
-        new_rows = new_rows.reshape((-1, *state.shape[1:]))
-        state = state.at[uids].set(new_rows, mode="drop", **promises)
+        if len(new_parts) > 1:  # XLA would otherwise scatter each part apart
+            new_parts = jax.lax.optimization_barrier(tuple(new_parts))
+        new_rows = _join_parts(tuple(new_parts)).astype(state.dtype)
+        flat = flat_rows(state).at[uids].set(new_rows, mode="drop", **promises)
+        state = flat.reshape(state.shape)
     return [state, uids, out.astype(jnp.float32), count, sumsq.astype(jnp.float32)]
 
 

@@ -44,20 +44,16 @@ bounds, so they are dropped by scatters and filled by gathers.
 :class:`~jaxslices.kernels._ops.RuleSpec`, given as :class:`Native`), at
 most one state tree, a float32 state, a float32, bfloat16 or float16
 gradient and parameters, and no refusal by the rule (``Native.refuse``:
-``mu_dtype``, ``accumulator_dtype``) runs the row-wise op
-(:func:`jaxslices.kernels._ops.rowwise`, :func:`native_leaf`) where
-:func:`jaxslices.kernels._path.route` says native. Everything else runs the
-body here (coalesce, gather, rule, scatter): the XLA path of those leaves,
+``mu_dtype``, ``accumulator_dtype``) binds the row-wise op
+(:func:`jaxslices.kernels._ops.rowwise`, :func:`native_leaf`) whatever the
+path: its lowering runs the kernel where
+:func:`jaxslices.kernels._path.decide` says native, and otherwise its XLA
+reference, which is that leaf's XLA path (the rule's ``RuleSpec`` body on
+the coalesced rows, constants as Optax computes them). The body here
+(coalesce, gather, rule, scatter) serves what the op does not express:
 dense leaves (the rule on whole arrays: Optax's numbers), several state
 trees, low-precision states (read in float32, written rounded,
-stochastically), float64 and complex leaves, rules without a kernel. The
-XLA path of the leaves the op expresses stays here rather than in the op's
-reference (unlike the bag and the apply, bound on either path): the
-reference runs the rule's ``RuleSpec`` body, whose float32
-hyperparameters give lazy Adam and FTRL other last bits than the rule
-here (Python's float64 constants, Optax's), and the state's gathers and
-scatters, whose XLA promises the tests read in the step's jaxpr, would
-move inside the op.
+stochastically), float64 and complex leaves, rules without a kernel.
 """
 
 from __future__ import annotations
@@ -437,7 +433,9 @@ def coalesce_all(
     def leaf(path, x, bound):
         if not isinstance(x, IndexedSlices):
             return x
-        if not (x.unique_indices and bound is None):
+        if not (x.unique_indices and bound is None) and kernel_path.route(
+            where(name, path), tables=(x.values,)
+        ):  # the coalescing kernel; its XLA path is jaxslices.coalesce's
             done = native_leaf(
                 name, path, x, Native(_COALESCE_SPEC), bound, want_sumsq=True
             )
@@ -486,27 +484,39 @@ def native_leaf(
     method: str = "auto",
     want_sumsq: bool = False,
 ) -> tuple[IndexedSlices, Any, Any] | None:
-    """One sparse leaf through the native row-wise kernel, or ``None`` (XLA).
+    """One sparse leaf through the row-wise op, or ``None`` (the general path).
 
-    The kernel sums the gradient's rows per distinct id (reading a bag's
-    pooled gradient directly, see :func:`jaxslices.slices.with_recipe`),
-    applies the rule to each distinct row and its ``state`` row in place,
-    and returns the update rows on the distinct ids: ``(update, new_state,
-    sumsq)``, the update coalesced (and holding the kernel's raw rows and
-    count as its recipe). ``state`` is packed ``(V, k, *row)`` when ``k``.
-    ``method``: the coalescing method, which the op's reference follows
-    where its lowering runs it (the kernel hashes).
+    ``None`` where the op does not express the configuration
+    (:func:`unexpressed`; recorded for ``explain``). Otherwise
+    :func:`kernel_ops.rowwise` is bound whatever the path, with
+    :func:`kernel_path.decide`'s reason: natively the kernel sums the
+    gradient's rows per distinct id (reading a bag's pooled gradient
+    directly, see :func:`jaxslices.slices.with_recipe`), applies the rule to
+    each distinct row and its ``state`` row in place; on the XLA path the
+    op's reference does the same on the gradient's rows (float32 rows for a
+    low-precision gradient, as the general path reads them), coalescing by
+    ``method``. Returns ``(update, new_state, sumsq)``, the update coalesced
+    (and holding the op's float32 rows as its recipe). ``state`` is packed
+    ``(V, k, *row)`` when ``k``.
     """
     label = where(name, path)
-    if native.refuse is not None:
-        kernel_path.note(label, native.refuse)
+    why = unexpressed(native, g, state, p)
+    if why:
+        kernel_path.note(label, why)
         return None
-    if not kernel_path.route(label, state, tables=(g.values, p)):
-        return None
+    reason = kernel_path.decide(state, tables=(g.values, p))
+    if not reason:
+        recipe = slices.kernel_input(g, label)
+    else:  # the rows the general path reads, laid out for the scatter into the state
+        values = (slices.float32_rows(g) if _low(g.dtype) else g).values
+        target = p if state is None else state
+        if target is not None:
+            values = _spmd.replicate_rows(target, values)
+        recipe = PooledGradient.of_rows(values)
     n = g.num_slices
     capacity = n if bound is None else min(bound, n)
     new_state, uids, rows, count, sumsq = kernel_ops.rowwise(
-        slices.kernel_input(g, label),
+        recipe,
         g.indices,
         num_rows=g.dense_shape[0],
         spec=native.spec,
@@ -518,6 +528,7 @@ def native_leaf(
         indices_sorted=g.indices_sorted,
         method=method,
         want_sumsq=want_sumsq,
+        reason=reason,
         label=label,
     )
     if capacity < n:  # the distinct-row bound: more rows raise, none is dropped
@@ -530,13 +541,33 @@ def native_leaf(
     valid = (uids < g.dense_shape[0])[:, None]
     values = jnp.where(valid, rows, jnp.zeros((), rows.dtype))
     values = values.reshape((capacity, *g.row_shape)).astype(g.dtype)
+    # The kernel's ids come in order of first appearance; the reference's as
+    # jaxslices.coalesce orders them (`method`), which the flags then say.
+    kept = g.unique_indices and (g.indices_sorted or method in _coalesce.UNSORTED_OK)
+    sorted_ = bool(reason) and (
+        g.indices_sorted if kept else method not in _coalesce.UNSORTED_OK
+    )
     out = slices._with_flags(
         IndexedSlices(values, uids, g.dense_shape),
         unique_indices=True,
-        indices_sorted=False,
+        indices_sorted=sorted_,
     )
     out = slices.with_recipe(out, PooledGradient(rows))
     return out, new_state, sumsq
+
+
+def _low(dtype: Any) -> bool:
+    return _rounding.is_low_precision(dtype)
+
+
+def unexpressed(native: Native, g: IndexedSlices, state: Any, p: Any) -> str:
+    """Why the row-wise op does not express this sparse leaf's configuration
+    (``""``: it does): the rule's own refusal (``Native.refuse``), or dtypes
+    it does not take (a float32, bfloat16 or float16 gradient and
+    parameters, a float32 state). Never a question of the platform."""
+    if native.refuse is not None:
+        return native.refuse
+    return kernel_path.dtype_reason(state, tables=(g.values, p))
 
 
 def rowwise_update(

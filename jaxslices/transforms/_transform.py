@@ -650,12 +650,21 @@ def _debias(moment: jax.Array, correction: jax.Array) -> jax.Array:
     return moment / correction.astype(moment.dtype)
 
 
-def _adam_math(g, m, v, b1, b2, eps, eps_root, bc_mu, bc_nu, bc_mu_next, nesterov):
-    """Adam on rows: ``(update, new first moment, new second moment)``."""
-    mu = optax.tree.update_moment(g, m, b1, 1)
-    nu = optax.tree.update_moment_per_elem_norm(g, v, b2, 2)
+def _adam_math(
+    g, m, v, b1, b2, eps, eps_root, bc_mu, bc_nu, bc_mu_next, nesterov, c1=None, c2=None
+):
+    """Adam on rows: ``(update, new first moment, new second moment)``.
+
+    ``c1`` and ``c2`` are ``1 - b1`` and ``1 - b2`` as Optax computes them
+    (from Python floats, in float64); the kernel's rule passes them in.
+    """
+    c1 = 1 - b1 if c1 is None else c1
+    c2 = 1 - b2 if c2 is None else c2
+    sq = g**2 if jnp.isrealobj(g) else (g.conj() * g).real
+    mu = c1 * g + b1 * m
+    nu = c2 * sq + b2 * v
     if nesterov:
-        mu_hat = b1 * _debias(mu, bc_mu_next) + (1 - b1) * _debias(g, bc_mu)
+        mu_hat = b1 * _debias(mu, bc_mu_next) + c1 * _debias(g, bc_mu)
     else:
         mu_hat = _debias(mu, bc_mu)
     upd = mu_hat / (jnp.sqrt(_debias(nu, bc_nu) + eps_root) + eps)
@@ -663,7 +672,7 @@ def _adam_math(g, m, v, b1, b2, eps, eps_root, bc_mu, bc_nu, bc_mu_next, nestero
 
 
 def _adam_native(g, st, p, hp, nesterov):
-    upd, mu, nu = _adam_math(g, *st, *hp[:7], nesterov)
+    upd, mu, nu = _adam_math(g, *st, *hp[:7], nesterov, c1=hp[7], c2=hp[8])
     return upd, (mu, nu)
 
 

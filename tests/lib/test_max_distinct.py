@@ -157,7 +157,7 @@ def test_a_bound_tree_that_does_not_fit_the_updates_names_the_argument():
         tx.update(grads(1)[0], tx.init(p), p)
 
 
-# -------------------------------------- promises and passes, read in the jaxpr
+# ------------------------ promises and passes, read in the jaxpr and the HLO
 
 
 def _eqns(jaxpr, prim):
@@ -198,6 +198,17 @@ def _on_table(eqns, width):
     return [e for e in eqns if tuple(e.invars[0].aval.shape) in {(V, D), (V, width)}]
 
 
+def _hlo(tx) -> str:
+    """The step's HLO before XLA's passes: the ops the lowerings emit."""
+    step, args = _step(tx)
+    return jax.jit(step).lower(*args).compiler_ir("hlo").as_hlo_text()
+
+
+def _hlo_ops(hlo: str, op: str, shape: str) -> list[str]:
+    """The HLO lines of ``op`` whose result has ``shape`` (e.g. ``f32[6,3]``)."""
+    return re.findall(rf"= {re.escape(shape)}\S* {op}\([^\n]*", hlo)
+
+
 @pytest.mark.usefixtures("xla_path")  # XLA's structure; native: test_kernels
 @pytest.mark.parametrize("method", ["auto", "sort"])
 def test_coalesced_scatters_and_gathers_promise_unique_indices(method):
@@ -206,25 +217,25 @@ def test_coalesced_scatters_and_gathers_promise_unique_indices(method):
         js.adagrad(0.1, coalesce_method=method),
     )
     jaxpr = _step_jaxpr(tx)
-    scatters = _on_table(_eqns(jaxpr, "scatter"), D)
-    gathers = _on_table(_eqns(jaxpr, "gather"), D)
-    # Adagrad's state: one scatter, one gather.
-    assert len(scatters) == 1 and len(gathers) == 1
-    for e in scatters + gathers:
-        assert e.params["unique_indices"], e
-        assert e.params["indices_are_sorted"] == (method == "sort"), e
-    # The table: one apply op, told its rows are coalesced (and sorted)...
+    # Adagrad: one row-wise op over the bound, on rows the clip coalesced...
+    (rule,) = _eqns(jaxpr, "jaxslices_rowwise")
+    assert rule.params["capacity"] == 6 and rule.params["coalesced"], rule
+    # ...and the table: one apply op, told its rows are coalesced (and sorted).
     (apply,) = _on_table(_eqns(jaxpr, "jaxslices_apply"), D)
     assert apply.params["coalesced"], apply
     assert apply.params["indices_sorted"] == (method == "sort"), apply
-    for e in scatters + [apply]:  # over the bound, not over every lookup
-        assert e.invars[2].aval.shape[0] == 6, e
-    # ...which its XLA lowering promises to XLA: one scatter-add on the table.
-    step, args = _step(tx)
-    hlo = jax.jit(step).lower(*args).compiler_ir("hlo").as_hlo_text()
-    (table,) = re.findall(rf"= f32\[{V},{D}\][^ ]* scatter\(p__emb__.*", hlo)
-    assert "unique_indices=true" in table, table
-    assert ("indices_are_sorted=true" in table) == (method == "sort"), table
+    assert apply.invars[2].aval.shape[0] == 6, apply
+    # Their XLA lowerings promise it to XLA: the state's rows read once and
+    # written once, the table's scatter-added, over the bound's 6 rows.
+    hlo = _hlo(tx)
+    gathers = _hlo_ops(hlo, "gather", f"f32[6,{D}]")
+    scatters = _hlo_ops(hlo, "scatter", f"f32[{V},{D}]")
+    assert len(gathers) == 1 and len(scatters) == 2, (gathers, scatters)
+    assert sum("scatter(p__emb__" in e for e in scatters) == 1, scatters
+    for e in scatters:  # an HLO gather has no unique_indices
+        assert "unique_indices=true" in e, e
+    for e in gathers + scatters:
+        assert ("indices_are_sorted=true" in e) == (method == "sort"), e
 
 
 @pytest.mark.usefixtures("xla_path")  # XLA's structure; native: test_kernels
@@ -235,14 +246,11 @@ def test_clip_then_optimizer_coalesces_once_and_reads_the_rows_once():
         js.lazy_adam(0.1, coalesce_method="sort"),
     )
     assert _compiled_sorts(tx) == 1  # one coalesce for both transforms
-    jaxpr = _step_jaxpr(tx)
-    assert len(_on_table(_eqns(jaxpr, "gather"), D)) == 0  # params not read
-    packed = [
-        e
-        for e in _eqns(jaxpr, "gather") + _eqns(jaxpr, "scatter")
-        if tuple(e.invars[0].aval.shape) == (V, 2 * D)
-    ]
-    assert len(packed) == 2  # the moments: one gather, one scatter
+    hlo = _hlo(tx)
+    assert "gather(p__emb__" not in hlo  # params not read
+    # The moments, packed [V, 2 * D]: one gather, one scatter.
+    assert len(_hlo_ops(hlo, "gather", f"f32[6,{2 * D}]")) == 1, hlo
+    assert len(_hlo_ops(hlo, "scatter", f"f32[{V},{2 * D}]")) == 1, hlo
     # The test can fail: slices rebuilt by a tree map lose their "coalesced"
     # record, and the optimizer coalesces them again.
     rebuilt = optax.stateless(lambda u, p: jax.tree.map(lambda x: x, u))
