@@ -537,6 +537,8 @@ def native_leaf(
             (rows, uids),
             functools.partial(slices._too_many_rows, size=capacity, where=label),
             count,
+            # The op's outputs carry no mesh: the inputs say where to check.
+            like=[x for x in (g.indices, g.values, p, state) if x is not None],
         )
     valid = (uids < g.dense_shape[0])[:, None]
     values = jnp.where(valid, rows, jnp.zeros((), rows.dtype))
