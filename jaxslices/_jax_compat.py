@@ -1,7 +1,7 @@
 """Internal: every private or version-dependent JAX name jaxslices uses.
 
 jaxslices supports JAX 0.10.2 and newer; it is tested on 0.10.2 (the oldest,
-on Python 3.11) and on the 0.12 line (the newest tested, 0.12.0.1 on Python
+on Python 3.11) and on the 0.12 line (the newest tested, 0.12.1 on Python
 3.12): CI runs the whole suite on both. :data:`NEWEST_TESTED` is the one
 place that says which JAX is the newest tested (``.ci/run`` reads it; JAX has
 no upper bound in ``pyproject.toml``, so that installing jaxslices never
@@ -108,7 +108,7 @@ __all__ = [
 OLDEST_TESTED = "0.10.2"  # Python 3.11, CI leg 1 (pyproject's lower bound)
 # The newest JAX the suite passed on (CI leg 2, whose check reads this line):
 # its whole line (0.12.x) counts as tested.
-NEWEST_TESTED = "0.12.0.1"  # Python 3.12, CI leg 2
+NEWEST_TESTED = "0.12.1"  # Python 3.12, CI leg 2 (0.12.0.1 before it)
 
 
 def parse_version(text: str) -> tuple[int, int, int]:

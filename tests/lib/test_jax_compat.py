@@ -412,7 +412,7 @@ def test_a_newer_jax_warns_once_naming_the_tested_range(monkeypatch, fresh_warni
         assert not _jax_compat.warn_if_untested()  # once
     (w,) = record
     assert str(w.message).startswith(
-        "jaxslices is tested with JAX 0.10.2 to 0.12.x (newest tested: 0.12.0.1); "
+        "jaxslices is tested with JAX 0.10.2 to 0.12.x (newest tested: 0.12.1); "
         "JAX 0.13.0 is installed, a newer line that has not been tested."
     )
     assert 'pip install "jax<0.13"' in str(w.message)
