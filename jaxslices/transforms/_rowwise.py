@@ -508,7 +508,8 @@ def native_leaf(
     if not reason:
         recipe = slices.kernel_input(g, label)
     else:  # the rows the general path reads, laid out for the scatter into the state
-        values = (slices.float32_rows(g) if _low(g.dtype) else g).values
+        low = _rounding.is_low_precision(g.dtype)
+        values = (slices.float32_rows(g) if low else g).values
         target = p if state is None else state
         if target is not None:
             values = _spmd.replicate_rows(target, values)
@@ -556,10 +557,6 @@ def native_leaf(
     )
     out = slices.with_recipe(out, PooledGradient(rows))
     return out, new_state, sumsq
-
-
-def _low(dtype: Any) -> bool:
-    return _rounding.is_low_precision(dtype)
 
 
 def unexpressed(native: Native, g: IndexedSlices, state: Any, p: Any) -> str:
