@@ -349,19 +349,15 @@ class ManagedCollision:
         fresh = self.init()
         table = {}
         for f in SLOT_TABLE:
-            x = saved.get(f)
             want = getattr(fresh, f)
-            if x is None:
+            x = None if saved.get(f) is None else jnp.asarray(saved[f])
+            if x is None or (x.shape, x.dtype) != (want.shape, want.dtype):
+                got = "absent" if x is None else f"{x.dtype}{list(x.shape)}"
                 raise ValueError(
-                    f"{where}: the saved state has no `{f}`; the slot table "
-                    f"needs {', '.join(SLOT_TABLE)}."
-                )
-            x = jnp.asarray(x)
-            if x.shape != want.shape or x.dtype != want.dtype:
-                raise ValueError(
-                    f"{where}: the saved `{f}` is {x.dtype}{list(x.shape)}, this "
-                    f"table's {want.dtype}{list(want.shape)}. Restore a state "
-                    "into the table that saved it."
+                    f"{where}: the saved state's `{f}` is {got}; this table's "
+                    f"is {want.dtype}{list(want.shape)} (the slot table needs "
+                    f"{', '.join(SLOT_TABLE)}). Restore a state into the table "
+                    "that saved it."
                 )
             table[f] = x
         state = self.check_state(fresh._replace(**table), where)

@@ -112,7 +112,8 @@ def clip_by_global_norm(
       coalesce_method, max_distinct: as in :func:`jaxslices.clip`.
 
     Returns:
-      An :class:`optax.GradientTransformationExtraArgs`.
+      An :class:`optax.GradientTransformationExtraArgs` (stateless); its
+      slices come out coalesced, scaled by one global factor.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices
@@ -190,7 +191,8 @@ def clip_by_row_norm(
       coalesce_method, max_distinct: as in :func:`jaxslices.clip`.
 
     Returns:
-      An :class:`optax.GradientTransformationExtraArgs`.
+      An :class:`optax.GradientTransformationExtraArgs` (stateless); each
+      distinct row of its coalesced slices is at most ``max_norm`` long.
 
     Example:
       >>> import jax.numpy as jnp, jaxslices

@@ -269,9 +269,12 @@ def test_a_state_restored_from_its_slot_table_remaps_as_the_saved_one():
         assert (rows.tolist(), evicted.tolist()) == model.remap(ids, [True] * 3)
         model.check(restored)
     del saved["counts"]
-    with pytest.raises(ValueError, match="the saved state has no `counts`"):
+    with pytest.raises(ValueError, match="the saved state's `counts` is absent"):
         mc.restore(saved)
-    with pytest.raises(ValueError, match="saved `ids_hi` is uint32.12., this"):
+    with pytest.raises(
+        ValueError,
+        match="saved state.s `ids_hi` is uint32.12.; this table.s is uint32.13.",
+    ):
         js.ManagedCollision("t", num_slots=S + 1).restore(state)
     with pytest.raises(ValueError, match="belongs to another table"):
         js.ManagedCollision("u", num_slots=S, evict_count=E).restore(state)
