@@ -9,10 +9,19 @@ data-parallel ``jit`` step, ``all_to_all`` routing on a 2-D mesh, and the
 typed indices' eager messages. The expectations say which paths must stay
 sparse without the entry, so a fallback that silently changed nothing would
 be noticed too.
+
+Each path runs once with everything on, recording the entries it reads, and
+then once with each of those taken away (:func:`_each_entry_off`). An entry
+the first run never reads cannot change it: a run with that entry off reads
+the same entries in the same order up to its first read of it, and there is
+none, so it is the same run (the same jit caches hit, the same programs
+traced). Each path names the entries it must read (``must_read``), so a
+change that stopped exercising a fallback fails here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -53,12 +62,41 @@ def _sparse_expected(path: str, off: str | None) -> bool:
     return off not in DENSE_WITHOUT[path]
 
 
-@pytest.fixture(params=[None, *(e for e in ENTRIES if e not in NOT_ON_THESE_PATHS)])
-def off(request, monkeypatch):
-    """``None`` (everything available) or the entry taken away."""
-    if request.param is not None:
-        monkeypatch.setitem(_jax_compat.AVAILABLE, request.param, False)
-    return request.param
+@contextlib.contextmanager
+def _recording_reads():
+    """The set of :data:`_jax_compat.AVAILABLE` entries read inside the block."""
+    read: set[str] = set()
+    flags = type(_jax_compat.AVAILABLE)
+    real = flags.__getitem__
+
+    def reading(self, name):
+        read.add(name)
+        return real(self, name)
+
+    flags.__getitem__ = reading
+    try:
+        yield read
+    finally:
+        flags.__getitem__ = real
+
+
+def _each_entry_off(monkeypatch, body, must_read):
+    """``body(None)`` with everything available, then ``body(name)`` with
+    each entry that run read taken away (the module's docstring says why the
+    others need no run); returns the entries taken away."""
+    with _recording_reads() as read:
+        body(None)
+    assert set(must_read) <= read, f"the path no longer reads {set(must_read) - read}"
+    taken = sorted(read - NOT_ON_THESE_PATHS)
+    for name in taken:
+        with monkeypatch.context() as m:
+            m.setitem(_jax_compat.AVAILABLE, name, False)
+            try:
+                body(name)
+            except BaseException as e:
+                e.add_note(f"(with the entry {name!r} taken away)")
+                raise
+    return taken
 
 
 def _case(seed=0):
@@ -193,9 +231,16 @@ def test_private_jax_names_only_in_the_compat_module(module):
 # ------------------------------------------------- each entry taken away
 
 
-def test_top_level_nested_vmap_and_scan(off):
+def test_top_level_nested_vmap_and_scan(monkeypatch):
     params, ids, y = _case(1)
     ids3 = jnp.stack([ids, ids[::-1]])
+    must = ("trace_state", "vmap_internals", "varying_axes")
+    _each_entry_off(
+        monkeypatch, lambda off: _nested_and_scan(params, ids, ids3, y, off), must
+    )
+
+
+def _nested_and_scan(params, ids, ids3, y, off):
 
     def nested(p, ids3, y):
         one = lambda p, i: _mesh.loss_fn(p, i, y)  # noqa: E731
@@ -256,7 +301,12 @@ def _assert_every_device_equal(got, ref):
         _assert_grads_equal(jax.tree.map(lambda x: x[k], got), ref)
 
 
-def test_value_and_grad_inside_shard_map_check_vma(off):
+def test_value_and_grad_inside_shard_map_check_vma(monkeypatch):
+    must = ("trace_state", "varying_axes", "pcast_varying", "all_gather_invariant")
+    _each_entry_off(monkeypatch, _grad_inside_shard_map, must)
+
+
+def _grad_inside_shard_map(off):
     params, ids, y = _case(3)
     got, kinds, compiled = _shard_map_grads(params, ids, y)
     assert kinds == [_sparse_expected("shard_map", off)]
@@ -308,7 +358,12 @@ def test_unknown_aval_layout_is_dense_never_no_axes(monkeypatch):
     _assert_every_device_equal(got, _summed_over_devices(params, ids, y))
 
 
-def test_data_parallel_jit_step(off):
+def test_data_parallel_jit_step(monkeypatch):
+    must = ("abstract_mesh", "axis_types", "varying_axes", "ffi_primitive")
+    _each_entry_off(monkeypatch, _data_parallel_step, must)
+
+
+def _data_parallel_step(off):
     m = _mesh.mesh()
     num_rows = 2048  # well above the global batch, so table-sized is telling
     tx = registry.optimizer("sgd")
@@ -334,7 +389,14 @@ def test_data_parallel_jit_step(off):
     assert bool(big) == (off in slower), big
 
 
-def test_all_to_all_routing_on_a_2d_mesh(off):
+def test_all_to_all_routing_on_a_2d_mesh(monkeypatch):
+    must = ("abstract_mesh", "shard_map", "manual_axes", "manual_axis_avals",
+            "lowering_context", "callback_logs", "all_gather_invariant")  # fmt: skip
+    _each_entry_off(monkeypatch, _routed_on_a_2d_mesh, must)
+
+
+def _routed_on_a_2d_mesh(off):
+    del off  # every entry: the same numbers as one device
     # "model" x "data": the update all-gathers rows over the table's replicas.
     m = _mesh.mesh((4, 2), ("model", "data"))
     tx = registry.optimizer("adagrad")
@@ -374,7 +436,11 @@ def test_all_to_all_without_a_mesh_and_without_abstract_mesh_asks_for_one(
         f(table, ids)
 
 
-def test_typed_index_messages(off):
+def test_typed_index_messages(monkeypatch):
+    _each_entry_off(monkeypatch, _typed_index_messages, ("key_array_class",))
+
+
+def _typed_index_messages(off):
     g = js.IndexedSlices(jnp.ones((3, 2)), jnp.array([0, 4, 4]), (4, 2))
     child = jax.tree.leaves(g)[1]
     named = rf"IndexedSlices(.|\n)*{re.escape('jaxslices.global_norm')}"
