@@ -17,6 +17,9 @@ Four ways on the same table size ``S = slots`` (the unbounded one excepted):
   ``batch`` free slots, room for a batch's new ids; evicted
   rows and their Adagrad state reset with :func:`jaxslices.reset_rows`; ids
   not admitted read no row);
+* ``managed_lru_min2``: LRU with an admission filter (``min_count=2``: an id
+  takes a slot on its second sighting, so the long tail's one-off ids never
+  evict anyone);
 * ``unbounded``: one row per distinct id (``4 * S`` rows), the reference.
 
 ``collision_rate``: the share of lookups whose id has no row of its own:
@@ -112,7 +115,7 @@ def main(
     zipf: float = 1.2,
     drift: float | None = None,
     lr: float = 0.5,
-    policies: tuple[str, ...] = ("lfu", "lru"),
+    policies: tuple[str, ...] = ("lfu", "lru", "lru_min2"),
     out: str | None = None,
 ) -> dict:
     distinct = 4 * slots
@@ -153,13 +156,15 @@ def main(
         )
     result["curves"]["modulo"] = (loss, shared)
 
-    for policy in policies:
+    for policy in policies:  # "lru", or "lru_min2": LRU, min_count=2
+        rule, _, min_count = policy.partition("_min")
         mc = js.ManagedCollision(
             f"ids_{policy}",
             num_slots=slots,
-            policy=policy,
+            policy=rule,
             evict_every=evict_every,
             evict_count=min(slots, batch),  # room for a batch's new ids
+            min_count=int(min_count or 1),
         )
         loss, rows_seen, final = _train(mc.remap, slots, data, lr, managed=mc.init())
         defaulted = np.array([np.mean(r == slots) for r in rows_seen])

@@ -1259,7 +1259,8 @@ def managed_ids() -> str:
         "| table | log loss | collision rate | gap closed |",
         "| --- | --- | --- | --- |",
     ]
-    for key in ("modulo", "managed_lfu", "managed_lru", "unbounded"):
+    managed = sorted(k for k in s if k.startswith("managed_"))
+    for key in ("modulo", *managed, "unbounded"):
         r = s[key]
         gap = f"{r['gap_closed']:.2f}" if "gap_closed" in r else ""
         lines.append(

@@ -9,7 +9,7 @@ everywhere else, the same state bit for bit, updated in place; and
 reference runs. They have no GPU kernel, take no ids dtype (raw ids are
 pairs of ``uint32`` words) and share no work between threads.
 
-The state reaches the kernels as the twelve arrays of :data:`STATE_FIELDS`
+The state reaches the kernels as the fifteen arrays of :data:`STATE_FIELDS`
 and one vector of the scalar counters (:data:`SCALARS`), in this order on
 both sides (``csrc/remap.cc`` binds them once, ``BindState``), each output
 aliasing its input.
@@ -33,7 +33,7 @@ __all__ = ["SCALARS", "STATE_FIELDS", "admit", "evict"]
 STATE_FIELDS = (
     "ids_hi", "ids_lo", "occupied", "counts", "last_seen",
     "sorted_hi", "sorted_lo", "sorted_slots", "recent_hi", "recent_lo", "recent_slots",
-    "free_slots",
+    "free_slots", "filter_hi", "filter_lo", "filter_counts",
 )  # fmt: skip
 #: The state's scalar counters, in the kernels' order (``enum Scalar``).
 SCALARS = (
@@ -59,8 +59,10 @@ def _state(operands: tuple[jax.Array, ...]) -> RemapState:
     return _with(empty._replace(table_key=jnp.zeros((2,), jnp.uint32)), operands)
 
 
-def _admit_reference(hi, lo, valid, *state, **_):
-    rows, new = _reference.lookup_and_admit(_state(state), hi, lo, valid)
+def _admit_reference(hi, lo, valid, *state, min_count, threshold, **_):
+    rows, new = _reference.lookup_and_admit(
+        _state(state), hi, lo, valid, int(min_count), int(threshold)
+    )
     return [rows, *_operands(new)]
 
 
@@ -91,7 +93,7 @@ _ADMIT = NativeOp(
     _admit_abstract,
     # operands (hi, lo, valid, *state) -> outputs (rows, *state), in place
     aliases={3 + i: 1 + i for i in range(_NUM_STATE)},
-    attrs={},
+    attrs={"min_count": np.int64, "threshold": np.int64},
     ids_operand=None,
     threads=False,
 )
@@ -112,13 +114,28 @@ def _reason(state: RemapState, *arrays: jax.Array) -> str:
 
 
 def admit(
-    state: RemapState, hi: jax.Array, lo: jax.Array, valid: jax.Array, *, label: str
+    state: RemapState,
+    hi: jax.Array,
+    lo: jax.Array,
+    valid: jax.Array,
+    *,
+    label: str,
+    min_count: int = 1,
+    threshold: int = -1,
 ) -> tuple[jax.Array, RemapState]:
-    """:func:`_reference.lookup_and_admit` as its op (``label``: for ``explain``)."""
+    """:func:`_reference.lookup_and_admit` as its op (``label``: for ``explain``;
+    ``min_count``, ``threshold``: the admission filter's, static)."""
     if hi.shape[0] == 0:
         return jnp.zeros((0,), jnp.int32), state
     rows, *outs = _ADMIT.bind(
-        hi, lo, valid, *_operands(state), reason=_reason(state, hi), label=label
+        hi,
+        lo,
+        valid,
+        *_operands(state),
+        reason=_reason(state, hi),
+        label=label,
+        min_count=int(min_count),
+        threshold=int(threshold),
     )
     return rows, _with(state, outs)
 

@@ -34,11 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._rounding import mix32
 from ._state import RemapState
 
 __all__ = [
     "INT32_MAX",
+    "admission_draw",
     "evict",
+    "id_hash",
     "lookup_and_admit",
     "rebuild_search",
     "saturating_add",
@@ -293,14 +296,92 @@ def _admit_exact(group, hi, lo, valid, found, place, num_free, free_slots):
     return rows, hi_s, lo_s, assigned, place, rank
 
 
+def id_hash(hi: jax.Array, lo: jax.Array) -> jax.Array:
+    """A raw id's 32-bit hash (``uint32``): its admission filter bucket is
+    ``id_hash % W``; the admission draw mixes it with the step."""
+    return mix32(lo ^ mix32(hi + np.uint32(0x9E3779B9)))
+
+
+def admission_draw(h: jax.Array, step: jax.Array) -> jax.Array:
+    """The ``uint32`` draw of probabilistic admission of the id of hash ``h``
+    at ``step``: an id is admissible when it is below the threshold
+    ``floor(admit_probability * 2**32)``."""
+    s = jnp.asarray(step).astype(jnp.uint32)
+    return mix32(h ^ mix32(s * np.uint32(0x85EBCA6B) + np.uint32(0x7F4A7C15)))
+
+
+def _count_in_filter(state, hi, lo, new):
+    """The admission filter's count of each new id after this batch, and a
+    function of the admitted ids giving the filter's new arrays.
+
+    The rule (``docs/managed.md``, "Admission"), in the order of the
+    distinct new ids' (low, high) words: an id whose bucket holds it adds
+    its occurrences in the batch to the bucket's count; any other id takes
+    the bucket (the id there loses its count) with its occurrences. After
+    admission an admitted id's bucket, if it still holds it, is emptied.
+    One sort of the batch by (bucket, low, high).
+    """
+    N, W = hi.shape[0], state.filter_counts.shape[0]
+    bucket = (id_hash(hi, lo) % np.uint32(W)).astype(jnp.int32)
+    pos = jnp.arange(N, dtype=jnp.int32)
+    not_new = (~new).astype(jnp.int32)
+    ns, b, lo_s, hi_s, perm = jax.lax.sort((not_new, bucket, lo, hi, pos), num_keys=4)
+    new_s = ns == 0
+    start = jnp.ones((1,), bool)
+    same_bucket = jnp.concatenate([~start, b[1:] == b[:-1]]) & new_s
+    same_id = same_bucket & jnp.concatenate(
+        [~start, (lo_s[1:] == lo_s[:-1]) & (hi_s[1:] == hi_s[:-1])]
+    )
+    first_id = new_s & ~same_id
+    run = jnp.cumsum(first_id, dtype=jnp.int32) - 1
+    at = jnp.where(new_s, run, N)
+    occ = jnp.zeros((N,), jnp.int32).at[at].add(1, mode="drop")[jnp.maximum(run, 0)]
+    b_safe = jnp.where(new_s, b, 0)
+    old_hi, old_lo = state.filter_hi[b_safe], state.filter_lo[b_safe]
+    old_count = state.filter_counts[b_safe]
+    held = (
+        first_id & ~same_bucket & (old_count > 0) & (old_hi == hi_s) & (old_lo == lo_s)
+    )
+    counted = saturating_add(jnp.where(held, old_count, 0), occ)
+    count_run = (
+        jnp.zeros((N,), jnp.int32).at[jnp.where(first_id, run, N)].set(counted, mode="drop")
+    )
+    count_s = jnp.where(new_s, count_run[jnp.maximum(run, 0)], 0)
+    count = jnp.zeros((N,), jnp.int32).at[perm].set(count_s, unique_indices=True)
+    # the last entry of each bucket: its id is what the bucket holds after
+    last = new_s & jnp.concatenate([b[1:] != b[:-1], start]) | (
+        new_s & jnp.concatenate([~new_s[1:], start])
+    )
+
+    def written(admitted: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        keep = last & ~admitted[perm]
+        to = jnp.where(last, b, W)
+        return (
+            state.filter_hi.at[to].set(jnp.where(keep, hi_s, 0), mode="drop"),
+            state.filter_lo.at[to].set(jnp.where(keep, lo_s, 0), mode="drop"),
+            state.filter_counts.at[to].set(jnp.where(keep, count_s, 0), mode="drop"),
+        )
+
+    return count, written
+
+
 def lookup_and_admit(
-    state: RemapState, hi: jax.Array, lo: jax.Array, valid: jax.Array
+    state: RemapState,
+    hi: jax.Array,
+    lo: jax.Array,
+    valid: jax.Array,
+    min_count: int = 1,
+    threshold: int = -1,
 ) -> tuple[jax.Array, RemapState]:
     """Each valid id's slot (``[N]``, ``S``: no row), the new ones admitted.
 
     ``hi``/``lo``: the ids' words (``uint32[N]``), ``valid``: ``bool[N]``.
     Counts and last-seen steps of the looked-up slots updated; the state's
-    ``step`` is the caller's (already advanced).
+    ``step`` is the caller's (already advanced). A new id is admissible when
+    the admission filter has seen it ``min_count`` times (this batch's
+    occurrences included; the filter counts only when ``min_count > 1``) and,
+    with a ``threshold`` (``-1``: none), when its draw is below it; an id
+    that is not admissible is served by the default.
     """
     S, K = state.num_slots, state.recent_slots.shape[0]
     N = hi.shape[0]
@@ -320,6 +401,18 @@ def lookup_and_admit(
     if into_recent:
         in_recent, place = _search(_recent(state), state.num_recent, hi, lo, S)
         found = jnp.where(in_recent < S, in_recent, found)
+    looked_up = valid
+    filtered = min_count > 1 or threshold >= 0
+    if filtered:  # new ids that may not take a slot yet: served by the default
+        new = valid & (found == S)
+        admissible = new
+        if min_count > 1:
+            count, written = _count_in_filter(state, hi, lo, new)
+            admissible = admissible & (count >= min_count)
+        if threshold >= 0:
+            draw = admission_draw(id_hash(hi, lo), state.step)
+            admissible = admissible & (draw < np.uint32(threshold))
+        valid = valid & ((found < S) | admissible)
     group, mixed = _groups_by_low_word(hi, lo, valid)
     rows, hi_s, lo_s, assigned, place, rank = jax.lax.cond(
         mixed,
@@ -328,6 +421,9 @@ def lookup_and_admit(
         group, hi, lo, valid, found, place, state.num_free, state.free_slots,
     )  # fmt: skip
     admitted = assigned < S
+    if filtered and min_count > 1:
+        f_hi, f_lo, f_counts = written(valid & (found == S) & (rows < S))
+        state = state._replace(filter_hi=f_hi, filter_lo=f_lo, filter_counts=f_counts)
 
     n_admitted = jnp.sum(admitted, dtype=jnp.int32)
     target = jnp.where(admitted, assigned, S)  # admitted ids' slots, else dropped
@@ -358,7 +454,7 @@ def lookup_and_admit(
         num_recent=state.num_recent + (n_admitted if into_recent else 0),
         admissions=saturating_add(state.admissions, n_admitted),
         defaulted=saturating_add(
-            state.defaulted, jnp.sum(valid & (rows == S), dtype=jnp.int32)
+            state.defaulted, jnp.sum(looked_up & (rows == S), dtype=jnp.int32)
         ),
         **dict(zip(map(fields.format, ("hi", "lo", "slots")), copy, strict=True)),
     )

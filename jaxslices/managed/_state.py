@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import jax
 
-__all__ = ["SLOT_TABLE", "RemapState"]
+__all__ = ["FILTER", "SLOT_TABLE", "RemapState"]
 
 #: The fields a saved state must keep to be restored (the slot table and the
 #: counters); the other fields are the search structure, rebuilt from them.
@@ -24,6 +24,9 @@ SLOT_TABLE = (
     "table_key", "ids_hi", "ids_lo", "occupied", "counts", "last_seen",
     "free_slots", "num_free", "step", "admissions", "evictions", "defaulted",
 )  # fmt: skip
+#: The admission filter's fields: saved with the slot table; a state saved
+#: before the filter existed restores with an empty one.
+FILTER = ("filter_hi", "filter_lo", "filter_counts")
 
 
 class RemapState(NamedTuple):
@@ -63,6 +66,10 @@ class RemapState(NamedTuple):
       admissions, evictions: ``int32``, ids admitted and evicted so far.
       defaulted: ``int32``, looked-up ids served by the default (no row) so
         far, every occurrence counted.
+      filter_hi, filter_lo, filter_counts: ``[W]`` (``W`` the table's
+        ``filter_size``; 0 without ``min_count``), the admission filter: a
+        bucket per hash of an untracked id, holding one id and how often it
+        has been seen (count 0: empty).
     """
 
     table_key: jax.Array
@@ -85,6 +92,9 @@ class RemapState(NamedTuple):
     admissions: jax.Array
     evictions: jax.Array
     defaulted: jax.Array
+    filter_hi: jax.Array
+    filter_lo: jax.Array
+    filter_counts: jax.Array
 
     @property
     def num_slots(self) -> int:

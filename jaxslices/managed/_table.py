@@ -14,7 +14,16 @@ checkpointed with it), as TorchRec's ``MCHManagedCollisionModule`` does:
   is left: the distinct new ids of a batch take free slots in the order of
   their raw ids' low 32-bit words (then high words). While free slots
   remain, no two raw ids ever share a row.
-* **Default**: an id not admitted (no free slot left) is served by **no row**:
+* **Admission filter** (``min_count``, ``admit_probability``): a new id may
+  take a slot only once the table has seen it ``min_count`` times, counted
+  in a fixed-size filter (``filter_size`` buckets, each holding one id and
+  its count; an id that lands in a bucket held by another takes it, and the
+  other's count is lost), and, with ``admit_probability < 1``, only when its
+  draw (a hash of the id and the step) admits it. The filter never counts
+  an id more often than it was seen, so with ``min_count >= 2`` an id seen
+  once never takes a slot; it may count less (a bucket taken from it), which
+  only delays an admission.
+* **Default**: an id not admitted (no free slot left, or not yet admissible) is served by **no row**:
   its slot is ``S``, out of the table's range, which every jaxslices lookup
   reads as zeros and which gets no gradient and touches no optimizer state
   (the padding rule of :func:`jaxslices.embedding_lookup`,
@@ -64,7 +73,7 @@ from .. import _errors
 from . import _ops
 from ._raw import RawIds, as_raw_ids
 from ._reference import INT32_MAX, rebuild_search, saturating_add
-from ._state import SLOT_TABLE, RemapState
+from ._state import FILTER, SLOT_TABLE, RemapState
 
 __all__ = ["ManagedCollision", "RemapState"]
 
@@ -98,6 +107,16 @@ class ManagedCollision:
         into the main one first when it holds more than ``K - N``; with
         ``N > K`` every admission goes to the main copy (``O(S)``). Only
         the speed depends on it, never the rows.
+      min_count: a new id takes a slot only once it has been seen this many
+        times (its occurrences in earlier batches and this one, counted by
+        the admission filter); until then it is served by the default.
+        ``1``: no filter.
+      admit_probability: each time a new id could take a slot, it does with
+        this probability (its draw: a hash of the id and the step, so a run
+        is reproducible). ``1.0``: always.
+      filter_size: ``W``, the admission filter's buckets (``None``:
+        ``num_slots`` when ``min_count > 1``); three words each. A larger
+        filter loses fewer counts to other ids.
 
     Raises:
       ValueError: ``num_slots`` < 1 or above ``2**31 - 2``, an unknown
@@ -118,6 +137,9 @@ class ManagedCollision:
     evict_every: int | None = None
     evict_count: int = 1
     recent_size: int | None = None
+    min_count: int = 1
+    admit_probability: float = 1.0
+    filter_size: int | None = None
 
     def __post_init__(self):
         where = f"ManagedCollision({self.name!r})"
@@ -153,6 +175,29 @@ class ManagedCollision:
             "entries of the small sorted copy of recent admissions",
             "the default",
         )
+        if not _is_int(self.min_count) or self.min_count < 1:
+            raise ValueError(
+                f"{where}: `min_count` must be an int >= 1 (the times a new id "
+                f"is seen before it takes a slot; 1: at once), got {self.min_count!r}."
+            )
+        p = self.admit_probability
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(
+                f"{where}: `admit_probability` must be a number in (0, 1], got {p!r}."
+            )
+        _check_positive_or_none(
+            where,
+            "filter_size",
+            self.filter_size,
+            "buckets of the admission filter",
+            "num_slots",
+        )
+        if self.filter_size is not None and self.min_count == 1:
+            raise ValueError(
+                f"{where}: `filter_size={self.filter_size}` sizes the admission "
+                "filter, which counts only with `min_count` > 1; give min_count "
+                "or leave filter_size None."
+            )
 
     @property
     def recent_capacity(self) -> int:
@@ -160,6 +205,20 @@ class ManagedCollision:
         if self.recent_size is not None:
             return min(self.num_slots, int(self.recent_size))
         return min(self.num_slots, 64 * math.isqrt(self.num_slots))
+
+    @property
+    def filter_capacity(self) -> int:
+        """``W``: the admission filter's buckets (static; 0 without one)."""
+        if self.min_count == 1:
+            return 0
+        return self.num_slots if self.filter_size is None else int(self.filter_size)
+
+    @property
+    def admit_threshold(self) -> int:
+        """The draw below which a new id is admissible (``-1``: every one)."""
+        if self.admit_probability >= 1:
+            return -1
+        return min(int(self.admit_probability * 2**32), 2**32 - 1)
 
     # -- the state ------------------------------------------------------------
     @property
@@ -210,6 +269,9 @@ class ManagedCollision:
             admissions=scalar(),
             evictions=scalar(),
             defaulted=scalar(),
+            filter_hi=zeros_u(self.filter_capacity),
+            filter_lo=zeros_u(self.filter_capacity),
+            filter_counts=zeros_i(self.filter_capacity),
         )
 
     def check_state(self, state: Any, where: str) -> RemapState:
@@ -229,12 +291,15 @@ class ManagedCollision:
             state.occupied.shape != (S,)
             or tuple(state.table_key.shape) != (2,)
             or state.recent_slots.shape != (K,)
+            or state.filter_counts.shape != (self.filter_capacity,)
         ):
             raise ValueError(
                 f"{where}: the state is not one of table {self.name!r}: it has "
                 f"{state.occupied.shape[0] if state.occupied.ndim else '?'} slots, "
                 f"the table {S} (recent copy: {state.recent_slots.shape}, the "
-                f"table ({K},)). Use the state this table's init() made."
+                f"table ({K},); admission filter: {state.filter_counts.shape}, "
+                f"the table ({self.filter_capacity},)). Use the state this "
+                "table's init() made."
             )
         mine = self.table_key
         other = jnp.any(jnp.asarray(state.table_key) != jnp.asarray(mine))
@@ -345,12 +410,14 @@ class ManagedCollision:
         """
         where = f"ManagedCollision({self.name!r}).restore"
         if not isinstance(saved, Mapping):  # a RemapState, an older layout's
-            saved = {f: getattr(saved, f, None) for f in SLOT_TABLE}
+            saved = {f: getattr(saved, f, None) for f in SLOT_TABLE + FILTER}
         fresh = self.init()
         table = {}
-        for f in SLOT_TABLE:
+        for f in SLOT_TABLE + FILTER:
             want = getattr(fresh, f)
             x = None if saved.get(f) is None else jnp.asarray(saved[f])
+            if x is None and f in FILTER:  # saved before the filter: empty
+                continue
             if x is None or (x.shape, x.dtype) != (want.shape, want.dtype):
                 got = "absent" if x is None else f"{x.dtype}{list(x.shape)}"
                 raise ValueError(
@@ -390,6 +457,8 @@ def _remap(
         raw.lo.reshape(-1),
         valid.reshape(-1),
         label=f"ManagedCollision({mc.name!r}).remap: admission",
+        min_count=mc.min_count,
+        threshold=mc.admit_threshold,
     )
     return rows.reshape(raw.shape), state, evicted
 

@@ -25,15 +25,59 @@ import jaxslices as js
 U64 = 2**64
 
 
+M32 = 0xFFFFFFFF
+
+
+def mix32(h: int) -> int:
+    """MurmurHash3's 32-bit finaliser on a Python int."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & M32
+    return h ^ (h >> 16)
+
+
+def id_hash(v: int) -> int:
+    """docs/managed.md's hash of the raw id ``v`` (unsigned 64-bit)."""
+    hi, lo = v >> 32, v & M32
+    return mix32(lo ^ mix32((hi + 0x9E3779B9) & M32))
+
+
+def admission_draw(h: int, step: int) -> int:
+    return mix32(h ^ mix32((step * 0x85EBCA6B + 0x7F4A7C15) & M32))
+
+
 class Model:
     """The remap policy in plain Python."""
 
-    def __init__(self, S: int, policy: str, evict_every: int | None, E: int):
+    def __init__(
+        self, S: int, policy: str, evict_every: int | None, E: int,
+        min_count: int = 1, threshold: int = -1, W: int = 0,
+    ):  # fmt: skip
         self.S, self.policy, self.every, self.E = S, policy, evict_every, E
+        self.min_count, self.threshold, self.W = min_count, threshold, W
         self.ids: list[int | None] = [None] * S
         self.counts, self.last = [0] * S, [0] * S
         self.free = list(range(S - 1, -1, -1))
         self.step = self.admissions = self.evictions = self.defaulted = 0
+        self.filter: list[tuple[int, int]] = [(0, 0)] * W  # (id, count); 0: empty
+
+    def admissible(self, new: list[int], seen: dict[int, int]) -> list[int]:
+        """The admission filter and draw over the new ids (in admission order)."""
+        out = []
+        for v in new:
+            h, ok = id_hash(v), True
+            if self.min_count > 1:
+                b = h % self.W
+                held, count = self.filter[b]
+                c = min((count if count and held == v else 0) + seen[v], 2**31 - 1)
+                self.filter[b] = (v, c)
+                ok = c >= self.min_count
+            if self.threshold >= 0:
+                ok = ok and admission_draw(h, self.step) < self.threshold
+            if ok:
+                out.append(v)
+        return out
 
     def evict(self) -> list[int]:
         need = max(0, self.E - len(self.free))
@@ -56,12 +100,18 @@ class Model:
         where = {v: s for s, v in enumerate(self.ids) if v is not None}
         new = {i % U64 for i, m in zip(ids, mask, strict=True) if m} - set(where)
         new = sorted(new, key=lambda v: (v & 0xFFFFFFFF, v >> 32))  # low word first
-        for v in new:
+        seen: dict[int, int] = {}
+        for i, m in zip(ids, mask, strict=True):
+            if m:
+                seen[i % U64] = seen.get(i % U64, 0) + 1
+        for v in self.admissible(new, seen):
             if not self.free:
                 break
             s = self.free.pop()
             where[v], self.ids[s], self.counts[s] = s, v, 0
             self.admissions += 1
+            if self.min_count > 1 and self.filter[id_hash(v) % self.W][0] == v:
+                self.filter[id_hash(v) % self.W] = (0, 0)  # it leaves the filter
         rows = [
             where.get(i % U64, self.S) if m else self.S
             for i, m in zip(ids, mask, strict=True)
@@ -88,6 +138,11 @@ class Model:
         n = int(state.num_free)
         assert np.asarray(state.free_slots)[:n].tolist() == self.free
         check_sorted_copies(state)
+        held = (np.asarray(state.filter_hi).astype(np.uint64) << np.uint64(32)) | (
+            np.asarray(state.filter_lo).astype(np.uint64)
+        )
+        got_filter = list(zip(held.tolist(), state.filter_counts.tolist(), strict=True))
+        assert got_filter == [(v if c else 0, c) for v, c in self.filter]
         stats = {k: int(v) for k, v in state.stats().items()}
         assert stats == {
             "occupancy": self.S - len(self.free),
@@ -186,6 +241,87 @@ def test_remap_equals_the_numpy_model(policy, slots, recent, size, batches):
     state, evicted = mc.evict(state)  # on demand too
     assert np.asarray(evicted).tolist() == model.evict()
     model.check(state)
+
+
+#: (min_count, admit_probability, filter buckets, policy): counting in a
+#: filter small enough that ids take each other's buckets, the draw alone,
+#: and both
+FILTER_CONFIGS = [(2, 1.0, 3, "lfu"), (1, 0.5, None, "lru"), (3, 0.7, 2, "lru")]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "xla"])
+@pytest.mark.parametrize("min_count,p,buckets,policy", FILTER_CONFIGS)
+@settings(max_examples=10, deadline=None)
+@given(batches=stream)
+def test_admission_filter_equals_the_numpy_model(
+    native, min_count, p, buckets, policy, batches
+):
+    mc = js.ManagedCollision(
+        "t", num_slots=4, policy=policy, evict_every=2, evict_count=2,
+        min_count=min_count, admit_probability=p, filter_size=buckets,
+    )  # fmt: skip
+    model = Model(4, policy, 2, 2, min_count, mc.admit_threshold, mc.filter_capacity)
+    state = mc.init()
+    with contextlib.nullcontext() if native else js.kernels.disabled():
+        for batch in batches:
+            ids, mask = [i for i, _ in batch], [m for _, m in batch]
+            rows, state, evicted = mc.remap(
+                state, js.RawIds.from_int64(np.array(ids, np.int64)), np.array(mask)
+            )
+            assert (rows.tolist(), evicted.tolist()) == model.remap(ids, mask)
+            model.check(state)
+
+
+def test_an_id_seen_once_never_takes_a_slot():
+    """min_count=2 on a stream where half the distinct ids come once: none of
+    those ever gets a row (the filter never counts more than it saw), while
+    the ids seen again do, on both paths alike."""
+    rng = np.random.default_rng(0)
+    repeated = rng.choice(2**40, 300, replace=False)
+    once = rng.choice(2**40, 300, replace=False) + 2**41
+    stream = np.concatenate([repeated, repeated, once])
+    rng.shuffle(stream)
+    batches = stream.reshape(-1, 50)
+    mc = js.ManagedCollision(
+        "t", num_slots=256, min_count=2, filter_size=512, evict_every=1,
+        evict_count=8,
+    )  # fmt: skip
+    results = []
+    for native in (True, False):
+        state, got = mc.init(), set()
+        with contextlib.nullcontext() if native else js.kernels.disabled():
+            for b in batches:
+                rows, state, _ = mc.remap(state, b.astype(np.int64))
+                got |= {int(i) for i, r in zip(b, rows.tolist()) if r < 256}
+        assert not got & set(once.tolist())
+        assert len(got) > 150, len(got)  # most repeated ids made it
+        results.append(jax.tree.leaves(state))
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_state_saved_before_the_filter_restores_with_an_empty_one():
+    mc = js.ManagedCollision("t", num_slots=8, min_count=2)
+    _, state, _ = mc.remap(mc.init(), [3, 3, 4])
+    assert int(state.filter_counts.sum()) == 1  # 4 counted once; 3 admitted
+    old = {k: v for k, v in state._asdict().items() if not k.startswith("filter")}
+    restored = mc.restore(old)
+    assert int(restored.filter_counts.sum()) == 0
+    rows, _, _ = mc.remap(restored, [3, 4])
+    assert rows.tolist() == [0, 8]  # 3 tracked; 4 counted afresh, once
+
+
+def test_admission_filter_arguments():
+    with pytest.raises(ValueError, match=r"`min_count` must be an int >= 1.* got 0"):
+        js.ManagedCollision("t", num_slots=4, min_count=0)
+    with pytest.raises(ValueError, match=r"`admit_probability` .*\(0, 1\], got 0"):
+        js.ManagedCollision("t", num_slots=4, admit_probability=0)
+    with pytest.raises(ValueError, match=r"filter_size=8.*min_count"):
+        js.ManagedCollision("t", num_slots=4, filter_size=8)
+    mc = js.ManagedCollision("t", num_slots=4, min_count=2)
+    assert mc.filter_capacity == 4 and mc.admit_threshold == -1
+    with pytest.raises(ValueError, match=r"admission filter: \(4,\), the table \(0,\)"):
+        js.ManagedCollision("t", num_slots=4).remap(mc.init(), [1])
 
 
 @settings(max_examples=15, deadline=None)

@@ -217,10 +217,14 @@ def test_managed_ids_compares_the_ways(tmp_path):
     gives every lookup a row of its own while it makes room each step, modulo
     shares rows; files written."""
     out = importlib.import_module("managed_ids").main(
-        steps=30, batch=16, slots=24, policies=("lru",), out=str(tmp_path)
+        steps=30, batch=16, slots=24, policies=("lru", "lru_min2"), out=str(tmp_path)
     )
     summary = out["summary"]
-    assert set(summary) == {"unbounded", "modulo", "managed_lru"}
+    assert set(summary) == {"unbounded", "modulo", "managed_lru", "managed_lru_min2"}
+    # the filter keeps the one-off ids out: fewer admissions, some defaulted
+    filtered = out["managed_lru_min2_stats"]
+    assert filtered["admissions"] < out["managed_lru_stats"]["admissions"], out
+    assert filtered["defaulted"] > 0, filtered
     assert summary["unbounded"]["collision_rate_second_half"] == 0.0
     assert summary["modulo"]["collision_rate_second_half"] > 0.2, summary
     assert summary["managed_lru"]["collision_rate_second_half"] == 0.0

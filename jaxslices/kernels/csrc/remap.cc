@@ -139,11 +139,11 @@ void RadixSort(std::vector<NewId>* items, std::vector<NewId>* spare) {
   if (a != items->data()) std::memcpy(items->data(), a, n * sizeof(NewId));
 }
 
-// The remap's state: twelve arrays and the scalars, in the order the Python
+// The remap's state: fifteen arrays and the scalars, in the order the Python
 // side passes them and gets them back (jaxslices/managed/_ops.py:
 // STATE_FIELDS, then `scalars`), each output aliasing its input. Bound here
 // once for both kernels, sizes checked.
-constexpr size_t kStateArrays = 13;
+constexpr size_t kStateArrays = 16;
 
 struct State {
   int64_t S, K;  // slots, entries of the recent copy
@@ -154,6 +154,10 @@ struct State {
   int32_t* last_seen;
   Copy main, recent;
   int32_t* free_slots;
+  int64_t W;  // buckets of the admission filter (0: none)
+  uint32_t* filter_hi;
+  uint32_t* filter_lo;
+  int32_t* filter_counts;
   int32_t* scalars;
 };
 
@@ -169,7 +173,7 @@ ffi::Error BindState(const char* kernel, const ffi::RemainingArgs& in,
     auto a = in.get<ffi::AnyBuffer>(i);
     return a.has_value() ? static_cast<int64_t>(a->element_count()) : int64_t{-1};
   };
-  st->S = size_of(0), st->K = size_of(8);
+  st->S = size_of(0), st->K = size_of(8), st->W = size_of(12);
   size_t i = 0;
   ffi::Error error = ffi::Error::Success();
   auto next = [&](auto** data, ffi::DataType dtype, int64_t size, const char* name) {
@@ -189,7 +193,7 @@ ffi::Error BindState(const char* kernel, const ffi::RemainingArgs& in,
     }
     *data = InPlaceAny<T>(*a, *r);
   };
-  const int64_t S = st->S, K = st->K;
+  const int64_t S = st->S, K = st->K, W = st->W;
   next(&st->ids_hi, ffi::U32, S, "ids_hi");
   next(&st->ids_lo, ffi::U32, S, "ids_lo");
   next(&st->occupied, ffi::PRED, S, "occupied");
@@ -202,6 +206,9 @@ ffi::Error BindState(const char* kernel, const ffi::RemainingArgs& in,
   next(&st->recent.lo, ffi::U32, K, "recent_lo");
   next(&st->recent.slots, ffi::S32, K, "recent_slots");
   next(&st->free_slots, ffi::S32, S, "free_slots");
+  next(&st->filter_hi, ffi::U32, W, "filter_hi");
+  next(&st->filter_lo, ffi::U32, W, "filter_lo");
+  next(&st->filter_counts, ffi::S32, W, "filter_counts");
   next(&st->scalars, ffi::S32, kScalars, "scalars");
   st->main.size = S, st->recent.size = K;
   return error;
@@ -209,13 +216,21 @@ ffi::Error BindState(const char* kernel, const ffi::RemainingArgs& in,
 
 }  // namespace
 
+// A raw id's hash (jaxslices/managed/_reference.py: id_hash) and its
+// admission draw at a step (admission_draw).
+inline uint32_t IdHash(uint32_t hi, uint32_t lo) { return Mix32(lo ^ Mix32(hi + 0x9E3779B9u)); }
+inline uint32_t AdmissionDraw(uint32_t hash, int32_t step) {
+  return Mix32(hash ^ Mix32(static_cast<uint32_t>(step) * 0x85EBCA6Bu + 0x7F4A7C15u));
+}
+
 static ffi::Error AdmitImpl(U32Vector hi, U32Vector lo, PredVector valid,
                             ffi::RemainingArgs state_in, ffi::Result<S32Vector> rows_out,
-                            ffi::RemainingRets state_out) {
+                            ffi::RemainingRets state_out, int64_t min_count,
+                            int64_t threshold) {
   constexpr const char* kKernel = "managed admit";
   State st;
   if (ffi::Error e = BindState(kKernel, state_in, state_out, &st); e.failure()) return e;
-  auto& [S, K, ih, il, occ, cnt, last, main, recent, stack, sc] = st;
+  auto& [S, K, ih, il, occ, cnt, last, main, recent, stack, W, fh, fl, fc, sc] = st;
   const int64_t N = hi.element_count();
   if (lo.element_count() != N || valid.element_count() != N ||
       rows_out->element_count() != N) {
@@ -278,6 +293,39 @@ static ffi::Error AdmitImpl(U32Vector hi, U32Vector lo, PredVector valid,
     }
     fresh.push_back(q);  // in (low, high, position) order
   }
+  // The admission filter (min_count > 1) and draw (threshold >= 0), over the
+  // distinct new ids in (low, high) order: an id whose bucket holds it adds
+  // its occurrences to the count, any other takes the bucket with them; an
+  // id not admissible leaves `fresh` (the default serves it).
+  const bool counting = min_count > 1 && W > 0;
+  if (counting || threshold >= 0) {
+    size_t w = 0;
+    for (size_t q = 0; q < fresh.size();) {
+      size_t end = q + 1;
+      while (end < fresh.size() && fresh[end].lo == fresh[q].lo && fresh[end].hi == fresh[q].hi) {
+        ++end;
+      }
+      const NewId f = fresh[q];
+      const uint32_t hash = IdHash(f.hi, f.lo);
+      bool admissible = true;
+      if (counting) {
+        const int64_t b = hash % static_cast<uint32_t>(W);
+        const int64_t seen = static_cast<int64_t>(end - q);
+        const bool held = fc[b] > 0 && fh[b] == f.hi && fl[b] == f.lo;
+        const int32_t c = SaturatingAdd(held ? fc[b] : 0, seen);
+        fh[b] = f.hi, fl[b] = f.lo, fc[b] = c;
+        admissible = c >= min_count;
+      }
+      if (threshold >= 0) {
+        admissible = admissible && AdmissionDraw(hash, step) < static_cast<uint32_t>(threshold);
+      }
+      if (admissible) {
+        for (size_t k = q; k < end; ++k) fresh[w++] = fresh[k];
+      }
+      q = end;
+    }
+    fresh.resize(w);
+  }
   // Admit the distinct new ids in (low, high) order while slots are free.
   static thread_local std::vector<uint32_t> add_lo, add_hi;
   static thread_local std::vector<int32_t> add_slot;
@@ -293,6 +341,10 @@ static ffi::Error AdmitImpl(U32Vector hi, U32Vector lo, PredVector valid,
         slot = stack[num_free - 1 - rank];
         add_lo.push_back(f.lo), add_hi.push_back(f.hi), add_slot.push_back(slot);
         ih[slot] = f.hi, il[slot] = f.lo, occ[slot] = true, cnt[slot] = 0;
+        if (counting) {  // an admitted id leaves the filter
+          const int64_t b = IdHash(f.hi, f.lo) % static_cast<uint32_t>(W);
+          if (fc[b] > 0 && fh[b] == f.hi && fl[b] == f.lo) fh[b] = 0, fl[b] = 0, fc[b] = 0;
+        }
       }
     }
     rows[f.pos] = slot;
@@ -378,7 +430,9 @@ static ffi::Error EvictImpl(ffi::RemainingArgs state_in, ffi::Result<S32Vector> 
   constexpr const char* kKernel = "managed evict";
   State st;
   if (ffi::Error e = BindState(kKernel, state_in, state_out, &st); e.failure()) return e;
-  auto& [S, K, ih, il, occ, cnt, last, main, recent, stack, sc] = st;
+  // eviction leaves the admission filter (W, fh, fl, fc) as it is
+  [[maybe_unused]] auto& [S, K, ih, il, occ, cnt, last, main, recent, stack, W, fh, fl, fc,
+                          sc] = st;
   const int64_t E = evicted_out->element_count();
   if (E > S) return Invalid(kKernel, Str(E) + " evicted slots for " + Str(S) + " slots");
   int32_t* evicted = evicted_out->typed_data();
@@ -423,7 +477,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<js::PredVector>()  // valid [N]
         .RemainingArgs()        // the state (js::BindState)
         .Ret<js::S32Vector>()   // rows [N]
-        .RemainingRets());      // the state, in place
+        .RemainingRets()        // the state, in place
+        .Attr<int64_t>("min_count")
+        .Attr<int64_t>("threshold"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxslicesManagedEvict, js::EvictImpl,
