@@ -344,7 +344,9 @@ def _count_in_filter(state, hi, lo, new):
     )
     counted = saturating_add(jnp.where(held, old_count, 0), occ)
     count_run = (
-        jnp.zeros((N,), jnp.int32).at[jnp.where(first_id, run, N)].set(counted, mode="drop")
+        jnp.zeros((N,), jnp.int32)
+        .at[jnp.where(first_id, run, N)]
+        .set(counted, mode="drop")
     )
     count_s = jnp.where(new_s, count_run[jnp.maximum(run, 0)], 0)
     count = jnp.zeros((N,), jnp.int32).at[perm].set(count_s, unique_indices=True)

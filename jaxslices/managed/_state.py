@@ -67,7 +67,7 @@ class RemapState(NamedTuple):
       defaulted: ``int32``, looked-up ids served by the default (no row) so
         far, every occurrence counted.
       filter_hi, filter_lo, filter_counts: ``[W]`` (``W`` the table's
-        ``filter_size``; 0 without ``min_count``), the admission filter: a
+        ``filter_size``; 1, unused, without ``min_count``), the admission filter: a
         bucket per hash of an untracked id, holding one id and how often it
         has been seen (count 0: empty).
     """

@@ -23,9 +23,10 @@ checkpointed with it), as TorchRec's ``MCHManagedCollisionModule`` does:
   an id more often than it was seen, so with ``min_count >= 2`` an id seen
   once never takes a slot; it may count less (a bucket taken from it), which
   only delays an admission.
-* **Default**: an id not admitted (no free slot left, or not yet admissible) is served by **no row**:
-  its slot is ``S``, out of the table's range, which every jaxslices lookup
-  reads as zeros and which gets no gradient and touches no optimizer state
+* **Default**: an id not admitted (no free slot left, or not yet
+  admissible) is served by **no row**: its slot is ``S``, out of the
+  table's range, which every jaxslices lookup reads as zeros and which gets
+  no gradient and touches no optimizer state
   (the padding rule of :func:`jaxslices.embedding_lookup`,
   :func:`jaxslices.embedding_bag` and collections). It trains nothing wrong:
   the other rows of its bag train as if it were absent, and ``"mean"`` /
@@ -115,7 +116,8 @@ class ManagedCollision:
         this probability (its draw: a hash of the id and the step, so a run
         is reproducible). ``1.0``: always.
       filter_size: ``W``, the admission filter's buckets (``None``:
-        ``num_slots`` when ``min_count > 1``); three words each. A larger
+        ``num_slots`` when ``min_count > 1``; 1, unused, without a filter);
+        three words each. A larger
         filter loses fewer counts to other ids.
 
     Raises:
@@ -208,9 +210,10 @@ class ManagedCollision:
 
     @property
     def filter_capacity(self) -> int:
-        """``W``: the admission filter's buckets (static; 0 without one)."""
+        """``W``: the admission filter's buckets (static). Without a filter,
+        one bucket that nothing reads (Orbax saves no empty array)."""
         if self.min_count == 1:
-            return 0
+            return 1
         return self.num_slots if self.filter_size is None else int(self.filter_size)
 
     @property

@@ -52,7 +52,7 @@ class Model:
 
     def __init__(
         self, S: int, policy: str, evict_every: int | None, E: int,
-        min_count: int = 1, threshold: int = -1, W: int = 0,
+        min_count: int = 1, threshold: int = -1, W: int = 1,
     ):  # fmt: skip
         self.S, self.policy, self.every, self.E = S, policy, evict_every, E
         self.min_count, self.threshold, self.W = min_count, threshold, W
@@ -292,7 +292,9 @@ def test_an_id_seen_once_never_takes_a_slot():
         with contextlib.nullcontext() if native else js.kernels.disabled():
             for b in batches:
                 rows, state, _ = mc.remap(state, b.astype(np.int64))
-                got |= {int(i) for i, r in zip(b, rows.tolist()) if r < 256}
+                got |= {
+                    int(i) for i, r in zip(b, rows.tolist(), strict=True) if r < 256
+                }
         assert not got & set(once.tolist())
         assert len(got) > 150, len(got)  # most repeated ids made it
         results.append(jax.tree.leaves(state))
@@ -320,7 +322,7 @@ def test_admission_filter_arguments():
         js.ManagedCollision("t", num_slots=4, filter_size=8)
     mc = js.ManagedCollision("t", num_slots=4, min_count=2)
     assert mc.filter_capacity == 4 and mc.admit_threshold == -1
-    with pytest.raises(ValueError, match=r"admission filter: \(4,\), the table \(0,\)"):
+    with pytest.raises(ValueError, match=r"admission filter: \(4,\), the table \(1,\)"):
         js.ManagedCollision("t", num_slots=4).remap(mc.init(), [1])
 
 
