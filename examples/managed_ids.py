@@ -17,9 +17,11 @@ Four ways on the same table size ``S = slots`` (the unbounded one excepted):
   ``batch`` free slots, room for a batch's new ids; evicted
   rows and their Adagrad state reset with :func:`jaxslices.reset_rows`; ids
   not admitted read no row);
-* ``managed_lru_min2``: LRU with an admission filter (``min_count=2``: an id
-  takes a slot on its second sighting, so the long tail's one-off ids never
-  evict anyone);
+* ``managed_lfu_hl20``: a decayed LFU (the counts halve every 20 steps, so
+  the ids popular long ago give way to those popular now);
+* ``managed_lru_min2``, ``managed_lru_min3``, ``managed_lfu_hl20_min2``: with
+  an admission filter (``min_count``: an id takes a slot on its second or
+  third sighting, so the long tail's one-off ids never evict anyone);
 * ``unbounded``: one row per distinct id (``4 * S`` rows), the reference.
 
 ``collision_rate``: the share of lookups whose id has no row of its own:
@@ -115,7 +117,14 @@ def main(
     zipf: float = 1.2,
     drift: float | None = None,
     lr: float = 0.5,
-    policies: tuple[str, ...] = ("lfu", "lru", "lru_min2"),
+    policies: tuple[str, ...] = (
+        "lfu",
+        "lfu_hl20",
+        "lfu_hl20_min2",
+        "lru",
+        "lru_min2",
+        "lru_min3",
+    ),
     out: str | None = None,
 ) -> dict:
     distinct = 4 * slots
@@ -156,15 +165,20 @@ def main(
         )
     result["curves"]["modulo"] = (loss, shared)
 
-    for policy in policies:  # "lru", or "lru_min2": LRU, min_count=2
-        rule, _, min_count = policy.partition("_min")
+    for policy in policies:  # "lru", "lru_min2": min_count=2, "lfu_hl50": half_life=50
+        rule, *options = policy.split("_")
+        knobs = {"min": "min_count", "hl": "half_life", "ttl": "ttl"}
+        extra = {
+            knobs[o.rstrip("0123456789")]: int(o.lstrip("abcdefghijklmnopqrstuvwxyz"))
+            for o in options
+        }
         mc = js.ManagedCollision(
             f"ids_{policy}",
             num_slots=slots,
             policy=rule,
             evict_every=evict_every,
             evict_count=min(slots, batch),  # room for a batch's new ids
-            min_count=int(min_count or 1),
+            **extra,
         )
         loss, rows_seen, final = _train(mc.remap, slots, data, lr, managed=mc.init())
         defaulted = np.array([np.mean(r == slots) for r in rows_seen])

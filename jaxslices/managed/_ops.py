@@ -59,15 +59,18 @@ def _state(operands: tuple[jax.Array, ...]) -> RemapState:
     return _with(empty._replace(table_key=jnp.zeros((2,), jnp.uint32)), operands)
 
 
-def _admit_reference(hi, lo, valid, *state, min_count, threshold, **_):
+def _admit_reference(hi, lo, valid, *state, min_count, threshold, half_life, **_):
     rows, new = _reference.lookup_and_admit(
-        _state(state), hi, lo, valid, int(min_count), int(threshold)
+        _state(state), hi, lo, valid, int(min_count), int(threshold), int(half_life)
     )
     return [rows, *_operands(new)]
 
 
-def _evict_reference(*state, lfu, evict_count, **_):
-    new, evicted = _reference.evict(_state(state), "lfu" if lfu else "lru", evict_count)
+def _evict_reference(*state, lfu, evict_count, half_life, ttl, **_):
+    policy = "lfu" if lfu else "lru"
+    new, evicted = _reference.evict(
+        _state(state), policy, evict_count, int(half_life), int(ttl)
+    )
     return [evicted, *_operands(new)]
 
 
@@ -93,7 +96,7 @@ _ADMIT = NativeOp(
     _admit_abstract,
     # operands (hi, lo, valid, *state) -> outputs (rows, *state), in place
     aliases={3 + i: 1 + i for i in range(_NUM_STATE)},
-    attrs={"min_count": np.int64, "threshold": np.int64},
+    attrs={"min_count": np.int64, "threshold": np.int64, "half_life": np.int64},
     ids_operand=None,
     threads=False,
 )
@@ -103,7 +106,7 @@ _EVICT = NativeOp(
     _evict_abstract,
     # operands (*state) -> outputs (evicted, *state), in place
     aliases={i: 1 + i for i in range(_NUM_STATE)},
-    attrs={"lfu": np.bool_},
+    attrs={"lfu": np.bool_, "half_life": np.int64, "ttl": np.int64},
     ids_operand=None,
     threads=False,
 )
@@ -122,9 +125,11 @@ def admit(
     label: str,
     min_count: int = 1,
     threshold: int = -1,
+    half_life: int = 0,
 ) -> tuple[jax.Array, RemapState]:
     """:func:`_reference.lookup_and_admit` as its op (``label``: for ``explain``;
-    ``min_count``, ``threshold``: the admission filter's, static)."""
+    ``min_count``, ``threshold``: the admission filter's, ``half_life``: the
+    counts' decay, static)."""
     if hi.shape[0] == 0:
         return jnp.zeros((0,), jnp.int32), state
     rows, *outs = _ADMIT.bind(
@@ -136,12 +141,19 @@ def admit(
         label=label,
         min_count=int(min_count),
         threshold=int(threshold),
+        half_life=int(half_life),
     )
     return rows, _with(state, outs)
 
 
 def evict(
-    state: RemapState, *, policy: str, evict_count: int, label: str
+    state: RemapState,
+    *,
+    policy: str,
+    evict_count: int,
+    label: str,
+    half_life: int = 0,
+    ttl: int = 0,
 ) -> tuple[RemapState, jax.Array]:
     """:func:`_reference.evict` as its op (``label``: for ``explain``)."""
     evicted, *outs = _EVICT.bind(
@@ -150,5 +162,7 @@ def evict(
         lfu=policy == "lfu",
         evict_count=int(evict_count),
         label=label,
+        half_life=int(half_life),
+        ttl=int(ttl),
     )
     return _with(state, outs), evicted

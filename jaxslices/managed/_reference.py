@@ -40,6 +40,7 @@ from ._state import RemapState
 __all__ = [
     "INT32_MAX",
     "admission_draw",
+    "decayed_counts",
     "evict",
     "id_hash",
     "lookup_and_admit",
@@ -50,22 +51,47 @@ __all__ = [
 INT32_MAX = np.iinfo(np.int32).max
 
 
+def decayed_counts(counts: jax.Array, last_seen: jax.Array, step, half_life: int):
+    """The lookup counts as of ``step`` when they halve every ``half_life``
+    steps (at each step that is a multiple of it, before its lookups): a
+    count last updated at step ``l`` has halved ``step // h - l // h`` times
+    since (``half_life`` 0: no decay)."""
+    if not half_life:
+        return counts
+    halvings = jnp.asarray(step) // half_life - last_seen // half_life
+    return counts >> jnp.clip(halvings, 0, 31)
+
+
 def evict(
-    state: RemapState, policy: str, evict_count: int
+    state: RemapState,
+    policy: str,
+    evict_count: int,
+    half_life: int = 0,
+    ttl: int = 0,
 ) -> tuple[RemapState, jax.Array]:
     """Free slots until ``evict_count`` are free: the ``max(0, E - free)``
-    occupied slots lowest by the policy's scores (``"lfu"``: lookups, then
-    the step last seen; ``"lru"``: the other way round; then the slot).
+    occupied slots lowest by the policy's scores (``"lfu"``: lookups, decayed
+    with a ``half_life``, then the step last seen; ``"lru"``: the other way
+    round; then the slot). With a ``ttl``, the ids not looked up in the last
+    ``ttl`` steps (``step - last_seen > ttl``) go first (least recently seen
+    first, then the lower slot), and go whatever the pressure:
+    ``min(E, max(E - free, expired))`` slots.
 
     Returns ``(new_state, evicted)``: the evicted slots in increasing order,
     ``int32[evict_count]``, unused entries ``S``.
     """
     S, E = state.num_slots, evict_count
     need = jnp.maximum(E - state.num_free, 0)
+    counts = decayed_counts(state.counts, state.last_seen, state.step, half_life)
     if policy == "lfu":
-        first, then = state.counts, state.last_seen
+        first, then = counts, state.last_seen
     else:
-        first, then = state.last_seen, state.counts
+        first, then = state.last_seen, counts
+    if ttl:
+        expired = state.occupied & (state.step - state.last_seen > ttl)
+        need = jnp.minimum(E, jnp.maximum(need, jnp.sum(expired, dtype=jnp.int32)))
+        first = jnp.where(expired, 0, jnp.minimum(first, INT32_MAX - 1) + 1)
+        then = jnp.where(expired, state.last_seen, then)  # least recent first
     chosen = _lowest(first, then, state.occupied, need)
     # the evicted slots in increasing order, unused entries S
     evicted = jnp.nonzero(chosen, size=E, fill_value=S)[0].astype(jnp.int32)
@@ -374,6 +400,7 @@ def lookup_and_admit(
     valid: jax.Array,
     min_count: int = 1,
     threshold: int = -1,
+    half_life: int = 0,
 ) -> tuple[jax.Array, RemapState]:
     """Each valid id's slot (``[N]``, ``S``: no row), the new ones admitted.
 
@@ -383,7 +410,9 @@ def lookup_and_admit(
     the admission filter has seen it ``min_count`` times (this batch's
     occurrences included; the filter counts only when ``min_count > 1``) and,
     with a ``threshold`` (``-1``: none), when its draw is below it; an id
-    that is not admissible is served by the default.
+    that is not admissible is served by the default. With a ``half_life``
+    the looked-up slots' counts are decayed to this step before they count
+    this batch (:func:`decayed_counts`).
     """
     S, K = state.num_slots, state.recent_slots.shape[0]
     N = hi.shape[0]
@@ -430,6 +459,14 @@ def lookup_and_admit(
     n_admitted = jnp.sum(admitted, dtype=jnp.int32)
     target = jnp.where(admitted, assigned, S)  # admitted ids' slots, else dropped
     counts = state.counts.at[target].set(0, mode="drop")
+    if half_life:  # the looked-up counts decayed to this step first
+        decayed = decayed_counts(
+            counts.at[rows].get(mode="fill", fill_value=0),
+            state.last_seen.at[rows].get(mode="fill", fill_value=0),
+            state.step,
+            half_life,
+        )
+        counts = counts.at[rows].set(decayed, mode="drop")
     before = counts.at[rows].get(mode="fill", fill_value=0)
     counts = counts.at[rows].add(1, mode="drop")
     wrapped = counts.at[rows].get(mode="fill", fill_value=0) < before

@@ -35,9 +35,12 @@ checkpointed with it), as TorchRec's ``MCHManagedCollisionModule`` does:
   ``evict_every`` calls of ``remap``, before that call's admissions): when
   fewer than ``evict_count`` slots are free, the tracked ids with the lowest
   score lose their slots until ``evict_count`` are free. LFU scores by the
-  number of lookups of the id since it was admitted (ties: least recently
+  number of lookups of the id since it was admitted (with ``half_life``,
+  halved every ``half_life`` steps: a decayed LFU; ties: least recently
   seen first), LRU by the step it was last seen (ties: fewest lookups
-  first); remaining ties go to the lower slot. An id is never evicted while
+  first); remaining ties go to the lower slot. With ``ttl``, ids not looked
+  up in the last ``ttl`` steps go first, whatever the pressure (at most
+  ``evict_count`` an eviction). An id is never evicted while
   ``evict_count`` slots are free. The evicted slots are returned, and
   become free, in increasing order.
 * **Re-initialisation**: ``remap`` returns the slots it evicted (``[E]``, the
@@ -115,6 +118,13 @@ class ManagedCollision:
       admit_probability: each time a new id could take a slot, it does with
         this probability (its draw: a hash of the id and the step, so a run
         is reproducible). ``1.0``: always.
+      half_life: with ``policy="lfu"``, the lookup counts halve every
+        ``half_life`` calls of :meth:`remap` (a *decayed* LFU: ids that were
+        popular long ago lose their place to those popular now; ``None``: the
+        counts never decay).
+      ttl: evict, at each eviction, the ids not looked up in the last ``ttl``
+        calls of :meth:`remap` whatever the pressure (up to ``evict_count``
+        an eviction, before any other id; ``None``: no time-to-live).
       filter_size: ``W``, the admission filter's buckets (``None``:
         ``num_slots`` when ``min_count > 1``; 1, unused, without a filter);
         three words each. A larger
@@ -142,6 +152,8 @@ class ManagedCollision:
     min_count: int = 1
     admit_probability: float = 1.0
     filter_size: int | None = None
+    half_life: int | None = None
+    ttl: int | None = None
 
     def __post_init__(self):
         where = f"ManagedCollision({self.name!r})"
@@ -193,6 +205,17 @@ class ManagedCollision:
             self.filter_size,
             "buckets of the admission filter",
             "num_slots",
+        )
+        _check_positive_or_none(
+            where, "half_life", self.half_life, "calls between halvings", "no decay"
+        )
+        if self.half_life is not None and self.policy != "lfu":
+            raise ValueError(
+                f"{where}: `half_life={self.half_life}` decays LFU's counts; "
+                f"policy={self.policy!r} does not rank by them. Give policy='lfu'."
+            )
+        _check_positive_or_none(
+            where, "ttl", self.ttl, "calls without a lookup", "no time-to-live"
         )
         if self.filter_size is not None and self.min_count == 1:
             raise ValueError(
@@ -462,6 +485,7 @@ def _remap(
         label=f"ManagedCollision({mc.name!r}).remap: admission",
         min_count=mc.min_count,
         threshold=mc.admit_threshold,
+        half_life=mc.half_life or 0,
     )
     return rows.reshape(raw.shape), state, evicted
 
@@ -474,6 +498,8 @@ def _evict(mc: ManagedCollision, state: RemapState) -> tuple[RemapState, jax.Arr
         policy=mc.policy,
         evict_count=mc.evict_count,
         label=f"ManagedCollision({mc.name!r}): eviction",
+        half_life=mc.half_life or 0,
+        ttl=mc.ttl or 0,
     )
 
 

@@ -75,7 +75,13 @@ def test_the_remap_kernels_bind_their_state_once_and_no_thread_setting():
         for kind, name in re.findall(r"Attr<(\w+)>\(\"(\w+)\"\)", text)
     }
     assert cpp == {**managed_ops._ADMIT.attrs, **managed_ops._EVICT.attrs}
-    assert cpp == {"lfu": np.bool_, "min_count": np.int64, "threshold": np.int64}
+    assert cpp == {
+        "lfu": np.bool_,
+        "min_count": np.int64,
+        "threshold": np.int64,
+        "half_life": np.int64,
+        "ttl": np.int64,
+    }
     bound = re.findall(r'next\(&st->[\w.]+, ffi::\w+, \w+, "(\w+)"\);', text)
     assert tuple(bound) == (*managed_ops.STATE_FIELDS, "scalars")
     assert text.count("RemainingArgs()") == 2 and "(void)" not in text

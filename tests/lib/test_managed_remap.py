@@ -53,8 +53,10 @@ class Model:
     def __init__(
         self, S: int, policy: str, evict_every: int | None, E: int,
         min_count: int = 1, threshold: int = -1, W: int = 1,
+        half_life: int = 0, ttl: int = 0,
     ):  # fmt: skip
         self.S, self.policy, self.every, self.E = S, policy, evict_every, E
+        self.half_life, self.ttl = half_life, ttl
         self.min_count, self.threshold, self.W = min_count, threshold, W
         self.ids: list[int | None] = [None] * S
         self.counts, self.last = [0] * S, [0] * S
@@ -79,13 +81,29 @@ class Model:
                 out.append(v)
         return out
 
+    def count(self, s: int) -> int:
+        """Slot ``s``'s lookups as of this step (halved every half_life steps)."""
+        if not self.half_life:
+            return self.counts[s]
+        h = self.half_life
+        return self.counts[s] >> min(max(self.step // h - self.last[s] // h, 0), 31)
+
     def evict(self) -> list[int]:
         need = max(0, self.E - len(self.free))
         occupied = [s for s in range(self.S) if self.ids[s] is not None]
-        if self.policy == "lfu":
-            occupied.sort(key=lambda s: (self.counts[s], self.last[s], s))
-        else:
-            occupied.sort(key=lambda s: (self.last[s], self.counts[s], s))
+        expired = {
+            s for s in occupied if self.ttl and self.step - self.last[s] > self.ttl
+        }
+        need = min(self.E, max(need, len(expired)))
+
+        def key(s):
+            if s in expired:  # first, least recently seen first
+                return (0, self.last[s], s)
+            if self.policy == "lfu":
+                return (1, self.count(s), self.last[s], s)
+            return (1, self.last[s], self.count(s), s)
+
+        occupied.sort(key=key)
         gone = sorted(occupied[:need])  # returned and freed in slot order
         for s in gone:
             self.ids[s], self.counts[s], self.last[s] = None, 0, 0
@@ -118,7 +136,7 @@ class Model:
         ]
         for r, m in zip(rows, mask, strict=True):
             if m and r < self.S:
-                self.counts[r] += 1
+                self.counts[r] = self.count(r) + 1  # decayed first
                 self.last[r] = self.step
             elif m:
                 self.defaulted += 1
@@ -272,6 +290,60 @@ def test_admission_filter_equals_the_numpy_model(
             model.check(state)
 
 
+#: (policy, half_life, ttl, evict_every): a decayed LFU, a time-to-live
+#: with LRU, and both (streams of up to 7 calls: several halvings, expiries)
+DECAY_CONFIGS = [("lfu", 2, None, 2), ("lru", None, 2, 1), ("lfu", 3, 2, 1)]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "xla"])
+@pytest.mark.parametrize("policy,half_life,ttl,every", DECAY_CONFIGS)
+@settings(max_examples=10, deadline=None)
+@given(batches=stream)
+def test_decayed_lfu_and_ttl_equal_the_numpy_model(
+    native, policy, half_life, ttl, every, batches
+):
+    mc = js.ManagedCollision(
+        "t", num_slots=5, policy=policy, evict_every=every, evict_count=2,
+        half_life=half_life, ttl=ttl, min_count=2 if ttl and half_life else 1,
+    )  # fmt: skip
+    model = Model(
+        5, policy, every, 2, mc.min_count, -1, mc.filter_capacity,
+        half_life or 0, ttl or 0,
+    )  # fmt: skip
+    state = mc.init()
+    with contextlib.nullcontext() if native else js.kernels.disabled():
+        for batch in batches:
+            ids, mask = [i for i, _ in batch], [m for _, m in batch]
+            rows, state, evicted = mc.remap(
+                state, js.RawIds.from_int64(np.array(ids, np.int64)), np.array(mask)
+            )
+            assert (rows.tolist(), evicted.tolist()) == model.remap(ids, mask)
+            model.check(state)
+        state, evicted = mc.evict(state)
+    assert evicted.tolist() == model.evict()
+    model.check(state)
+
+
+def test_ttl_evicts_without_pressure_and_half_life_forgets():
+    """An id unseen for ``ttl`` calls goes though slots are free; under a
+    decayed LFU an id popular long ago loses to one popular now."""
+    mc = js.ManagedCollision("t", num_slots=8, evict_every=1, evict_count=2, ttl=2)
+    _, state, _ = mc.remap(mc.init(), [1, 2])
+    for _ in range(2):
+        _, state, evicted = mc.remap(state, [2])
+    assert evicted.tolist() == [8, 8]  # 1 unseen for 2 calls: not yet
+    _, state, evicted = mc.remap(state, [2])
+    assert evicted.tolist() == [0, 8]  # unseen for 3 calls > ttl: evicted
+    plain = js.ManagedCollision("p", num_slots=2, evict_count=1)
+    decayed = js.ManagedCollision("d", num_slots=2, evict_count=1, half_life=2)
+    for mc, gone in ((plain, [1]), (decayed, [0])):
+        _, state, _ = mc.remap(mc.init(), [5, 5, 5, 5, 5, 5])  # 5: popular once
+        for _ in range(5):
+            _, state, _ = mc.remap(state, [6])  # 6: popular now, 5 lookups
+        state, evicted = mc.evict(state)
+        assert evicted.tolist() == gone, mc  # plain LFU keeps the stale 5
+
+
 def test_an_id_seen_once_never_takes_a_slot():
     """min_count=2 on a stream where half the distinct ids come once: none of
     those ever gets a row (the filter never counts more than it saw), while
@@ -320,6 +392,10 @@ def test_admission_filter_arguments():
         js.ManagedCollision("t", num_slots=4, admit_probability=0)
     with pytest.raises(ValueError, match=r"filter_size=8.*min_count"):
         js.ManagedCollision("t", num_slots=4, filter_size=8)
+    with pytest.raises(ValueError, match=r"`half_life=3` decays LFU.*'lru'"):
+        js.ManagedCollision("t", num_slots=4, policy="lru", half_life=3)
+    with pytest.raises(ValueError, match=r"`ttl` must be a positive int.*got 0"):
+        js.ManagedCollision("t", num_slots=4, ttl=0)
     mc = js.ManagedCollision("t", num_slots=4, min_count=2)
     assert mc.filter_capacity == 4 and mc.admit_threshold == -1
     with pytest.raises(ValueError, match=r"admission filter: \(4,\), the table \(1,\)"):

@@ -223,10 +223,17 @@ inline uint32_t AdmissionDraw(uint32_t hash, int32_t step) {
   return Mix32(hash ^ Mix32(static_cast<uint32_t>(step) * 0x85EBCA6Bu + 0x7F4A7C15u));
 }
 
+// A lookup count last updated at step `last`, as of step `step`, when counts
+// halve every `half_life` steps (_reference.decayed_counts).
+inline int32_t Decayed(int32_t count, int32_t last, int32_t step, int64_t half_life) {
+  const int64_t halvings = step / half_life - last / half_life;
+  return count >> std::min<int64_t>(std::max<int64_t>(halvings, 0), 31);
+}
+
 static ffi::Error AdmitImpl(U32Vector hi, U32Vector lo, PredVector valid,
                             ffi::RemainingArgs state_in, ffi::Result<S32Vector> rows_out,
                             ffi::RemainingRets state_out, int64_t min_count,
-                            int64_t threshold) {
+                            int64_t threshold, int64_t half_life) {
   constexpr const char* kKernel = "managed admit";
   State st;
   if (ffi::Error e = BindState(kKernel, state_in, state_out, &st); e.failure()) return e;
@@ -354,6 +361,8 @@ static ffi::Error AdmitImpl(U32Vector hi, U32Vector lo, PredVector valid,
   for (int64_t i = 0; i < N; ++i) {
     int32_t r = rows[i];
     if (r < S) {
+      // decayed to this step at its first lookup of the batch
+      if (half_life > 0 && last[r] != step) cnt[r] = Decayed(cnt[r], last[r], step, half_life);
       cnt[r] = SaturatingAdd(cnt[r], 1);
       last[r] = step;
     } else if (ok[i]) {
@@ -426,7 +435,8 @@ void Lowest(const int32_t* first, const int32_t* then, const bool* occ, int64_t 
 }  // namespace
 
 static ffi::Error EvictImpl(ffi::RemainingArgs state_in, ffi::Result<S32Vector> evicted_out,
-                            ffi::RemainingRets state_out, bool lfu) {
+                            ffi::RemainingRets state_out, bool lfu, int64_t half_life,
+                            int64_t ttl) {
   constexpr const char* kKernel = "managed evict";
   State st;
   if (ffi::Error e = BindState(kKernel, state_in, state_out, &st); e.failure()) return e;
@@ -439,10 +449,31 @@ static ffi::Error EvictImpl(ffi::RemainingArgs state_in, ffi::Result<S32Vector> 
   std::fill(evicted, evicted + E, static_cast<int32_t>(S));
   const int64_t num_free = sc[kNumFree], num_recent = sc[kNumRecent],
                 num_stale = sc[kNumStale];
-  const int64_t need = std::max<int64_t>(E - num_free, 0);
+  int64_t need = std::max<int64_t>(E - num_free, 0);
+  const int32_t step = sc[kStep];
+  const int32_t* first = lfu ? cnt : last;
+  const int32_t* then = lfu ? last : cnt;
+  static thread_local std::vector<int32_t> decayed, ranked, ranked_then;
+  if (half_life > 0) {  // a decayed LFU: the counts as of this step
+    decayed.resize(S);
+    for (int64_t s = 0; s < S; ++s) decayed[s] = Decayed(cnt[s], last[s], step, half_life);
+    (lfu ? first : then) = decayed.data();
+  }
+  if (ttl > 0) {  // the expired ids first (least recent first), whatever the pressure
+    ranked.resize(S), ranked_then.resize(S);
+    int64_t expired = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      const bool gone = occ[s] && static_cast<int64_t>(step) - last[s] > ttl;
+      expired += gone;
+      ranked[s] = gone ? 0 : std::min(first[s], kInt32Max - 1) + 1;
+      ranked_then[s] = gone ? last[s] : then[s];
+    }
+    need = std::min<int64_t>(E, std::max(need, expired));
+    first = ranked.data(), then = ranked_then.data();
+  }
   if (need == 0) return ffi::Error::Success();
 
-  Lowest(lfu ? cnt : last, lfu ? last : cnt, occ, S, S - num_free, need, evicted);
+  Lowest(first, then, occ, S, S - num_free, need, evicted);
   // Lazy deletion: an evicted id's entry of the main copy (if it is there,
   // not in the recent copy) keeps its place and id, its slot marked stale.
   const int64_t n_main = S - num_free - num_recent + num_stale;
@@ -479,7 +510,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<js::S32Vector>()   // rows [N]
         .RemainingRets()        // the state, in place
         .Attr<int64_t>("min_count")
-        .Attr<int64_t>("threshold"));
+        .Attr<int64_t>("threshold")
+        .Attr<int64_t>("half_life"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxslicesManagedEvict, js::EvictImpl,
@@ -487,4 +519,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .RemainingArgs()        // the state (js::BindState)
         .Ret<js::S32Vector>()   // evicted [E]
         .RemainingRets()        // the state, in place
-        .Attr<bool>("lfu"));
+        .Attr<bool>("lfu")
+        .Attr<int64_t>("half_life")
+        .Attr<int64_t>("ttl"));
