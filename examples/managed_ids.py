@@ -9,7 +9,7 @@ of its table (``logit = <row, w> + b``), trained online with Adagrad, and is
 scored by its *progressive* log loss (each batch scored before the step that
 learns from it), the usual metric of a stream.
 
-Four ways on the same table size ``S = slots`` (the unbounded one excepted):
+Six ways on the same table size ``S = slots`` (the unbounded one excepted):
 
 * ``modulo``: ``row = hash(id) % S``, unrelated ids share rows;
 * ``managed_lfu`` / ``managed_lru``: :class:`jaxslices.ManagedCollision`
@@ -17,11 +17,12 @@ Four ways on the same table size ``S = slots`` (the unbounded one excepted):
   ``batch`` free slots, room for a batch's new ids; evicted
   rows and their Adagrad state reset with :func:`jaxslices.reset_rows`; ids
   not admitted read no row);
-* ``managed_lfu_hl20``: a decayed LFU (the counts halve every 20 steps, so
+* ``managed_lfu_hl5``: a decayed LFU (the counts halve every 5 steps, so
   the ids popular long ago give way to those popular now);
-* ``managed_lru_min2``, ``managed_lru_min3``, ``managed_lfu_hl20_min2``: with
-  an admission filter (``min_count``: an id takes a slot on its second or
-  third sighting, so the long tail's one-off ids never evict anyone);
+* ``managed_lru_min3``: LRU with an admission filter (``min_count=3``: an id
+  takes a slot on its third sighting, so the long tail's rare ids never
+  evict anyone). Other ways by name: ``policies=("lfu_hl20_min2", ...)``
+  (``hl``: ``half_life``, ``min``: ``min_count``, ``ttl``: ``ttl``);
 * ``unbounded``: one row per distinct id (``4 * S`` rows), the reference.
 
 ``collision_rate``: the share of lookups whose id has no row of its own:
@@ -117,14 +118,7 @@ def main(
     zipf: float = 1.2,
     drift: float | None = None,
     lr: float = 0.5,
-    policies: tuple[str, ...] = (
-        "lfu",
-        "lfu_hl20",
-        "lfu_hl20_min2",
-        "lru",
-        "lru_min2",
-        "lru_min3",
-    ),
+    policies: tuple[str, ...] = ("lfu", "lfu_hl5", "lru", "lru_min3"),
     out: str | None = None,
 ) -> dict:
     distinct = 4 * slots

@@ -110,7 +110,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "scale-out-plans": ("2026-11-cpu-plans/plan_scale_bench_cpu.json",),
     "optax-low-precision": ("2026-11-cpu-lowp-movielens/low_precision.json",),
     "managed-cost": ("2026-11-cpu-managed/managed_bench_cpu.json",),
-    "managed-ids": ("2026-11-cpu-managed/managed_ids.json",),
+    "managed-ids": ("2026-12-cpu-managed/managed_ids.json",),
 }
 
 _BLOCK = re.compile(
