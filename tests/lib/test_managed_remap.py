@@ -261,54 +261,36 @@ def test_remap_equals_the_numpy_model(policy, slots, recent, size, batches):
     model.check(state)
 
 
-#: (min_count, admit_probability, filter buckets, policy): counting in a
-#: filter small enough that ids take each other's buckets, the draw alone,
-#: and both
-FILTER_CONFIGS = [(2, 1.0, 3, "lfu"), (1, 0.5, None, "lru"), (3, 0.7, 2, "lru")]
+#: The policies beyond admission and plain LFU / LRU, each against the model:
+#: an admission filter small enough that ids take each other's buckets, the
+#: admission draw alone, both; a decayed LFU, a time-to-live with LRU, and
+#: both with a filter (streams of up to 7 calls: several halvings, expiries).
+POLICY_CONFIGS = {
+    "filter": dict(policy="lfu", min_count=2, filter_size=3),
+    "draw": dict(policy="lru", admit_probability=0.5),
+    "filter_draw": dict(
+        policy="lru", min_count=3, admit_probability=0.7, filter_size=2
+    ),
+    "decayed_lfu": dict(policy="lfu", half_life=2),
+    "ttl_lru": dict(policy="lru", ttl=2, evict_every=1),
+    "decayed_ttl_filter": dict(half_life=3, ttl=2, evict_every=1, min_count=2),
+}
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "xla"])
-@pytest.mark.parametrize("min_count,p,buckets,policy", FILTER_CONFIGS)
+@pytest.mark.parametrize("config", sorted(POLICY_CONFIGS))
 @settings(max_examples=10, deadline=None)
 @given(batches=stream)
-def test_admission_filter_equals_the_numpy_model(
-    native, min_count, p, buckets, policy, batches
-):
+def test_the_policies_equal_the_numpy_model(native, config, batches):
+    """Every call's rows, evictions and state as the model's, then an
+    eviction on demand, on one path."""
     mc = js.ManagedCollision(
-        "t", num_slots=4, policy=policy, evict_every=2, evict_count=2,
-        min_count=min_count, admit_probability=p, filter_size=buckets,
-    )  # fmt: skip
-    model = Model(4, policy, 2, 2, min_count, mc.admit_threshold, mc.filter_capacity)
-    state = mc.init()
-    with contextlib.nullcontext() if native else js.kernels.disabled():
-        for batch in batches:
-            ids, mask = [i for i, _ in batch], [m for _, m in batch]
-            rows, state, evicted = mc.remap(
-                state, js.RawIds.from_int64(np.array(ids, np.int64)), np.array(mask)
-            )
-            assert (rows.tolist(), evicted.tolist()) == model.remap(ids, mask)
-            model.check(state)
-
-
-#: (policy, half_life, ttl, evict_every): a decayed LFU, a time-to-live
-#: with LRU, and both (streams of up to 7 calls: several halvings, expiries)
-DECAY_CONFIGS = [("lfu", 2, None, 2), ("lru", None, 2, 1), ("lfu", 3, 2, 1)]
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["native", "xla"])
-@pytest.mark.parametrize("policy,half_life,ttl,every", DECAY_CONFIGS)
-@settings(max_examples=10, deadline=None)
-@given(batches=stream)
-def test_decayed_lfu_and_ttl_equal_the_numpy_model(
-    native, policy, half_life, ttl, every, batches
-):
-    mc = js.ManagedCollision(
-        "t", num_slots=5, policy=policy, evict_every=every, evict_count=2,
-        half_life=half_life, ttl=ttl, min_count=2 if ttl and half_life else 1,
+        "t", **{"num_slots": 5, "evict_every": 2, "evict_count": 2,
+                **POLICY_CONFIGS[config]},
     )  # fmt: skip
     model = Model(
-        5, policy, every, 2, mc.min_count, -1, mc.filter_capacity,
-        half_life or 0, ttl or 0,
+        mc.num_slots, mc.policy, mc.evict_every, mc.evict_count, mc.min_count,
+        mc.admit_threshold, mc.filter_capacity, mc.half_life or 0, mc.ttl or 0,
     )  # fmt: skip
     state = mc.init()
     with contextlib.nullcontext() if native else js.kernels.disabled():
