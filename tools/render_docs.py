@@ -86,7 +86,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear_b512.json",
         "2026-11-cpu-dlrm-quiet/dlrm_bench_cpu_linear.json",
     ),
-    "kernels-peers": ("2026-11-cpu-threads/peers_bench_cpu.json",),
+    "kernels-peers": ("2026-12-cpu-peers/peers_bench_cpu.json",),
     "readme-kernels": ("2026-11-cpu-threads/peers_bench_cpu.json",),
     "kernels-floor": (
         "2026-11-cpu-native/optimizer_floor_bench_cpu_bag.json",
