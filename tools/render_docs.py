@@ -97,7 +97,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "2026-11-cpu-threads/dlrm_bench_cpu_xla.json",
     ),
     "kernels-soak": ("2026-11-cpu-threads/soak_bench_cpu.json",),
-    "kernels-lowp": ("2026-11-cpu-lowp/lowp_bench_cpu.json",),
+    "kernels-lowp": ("2026-12-cpu-lowp/lowp_bench_cpu.json",),
     "kernels-threads": (
         "2026-11-cpu-threads/peers_bench_cpu.json",
         "2026-11-cpu-threads/threads_bench_cpu.json",

@@ -260,9 +260,12 @@ def test_collection_with_keyed_ids():
 
 
 def test_orbax_checkpoint_resumes_bitwise(tmp_path):
+    """The whole state saved, the admission filter's buckets and the decayed
+    counts' steps included."""
     mc = js.ManagedCollision(
-        "items", num_slots=S, policy="lfu", evict_every=3, evict_count=3
-    )
+        "items", num_slots=S, policy="lfu", evict_every=3, evict_count=3,
+        min_count=2, half_life=3, ttl=4,
+    )  # fmt: skip
     opt = js.lazy_adam(0.05)
     step = _make_step(mc, opt, js.value_and_grad, _loss)
     params = _params()
@@ -293,3 +296,4 @@ def test_orbax_checkpoint_resumes_bitwise(tmp_path):
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
         np.testing.assert_array_equal(a, b)
     assert int(straight[2].evictions) > 0
+    assert int(run[2].filter_counts.sum()) > 0  # the saved filter held counts
