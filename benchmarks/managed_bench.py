@@ -11,6 +11,12 @@ and ids keep arriving). Configurations, interleaved:
 * ``with_remap``: remap + ``reset_rows`` + the step, no eviction due;
 * ``with_remap_evicting``: the same with an eviction in every step (down to
   ``batch`` free slots);
+* ``with_remap_filtered``: ``with_remap`` behind an admission filter
+  (``min_count=2``, ``filter_size = num_rows``; the filter's cost: one sort
+  of the batch by bucket on the XLA path, a pass over the new ids natively);
+* ``with_remap_evicting_decayed``: ``with_remap_evicting`` with a decayed
+  LFU (``half_life=5``; the eviction decays every slot's count as it
+  reads it);
 * ``evict_then_refill``: an on-demand eviction (donated, jitted) down to
   ``batch * bag`` free slots, then a remap of one batch into the freed slots
   (no training step).
@@ -66,9 +72,18 @@ def main(
     opt = js.adagrad(0.05)
     managers = {
         name: js.ManagedCollision(
-            "bench", num_slots=num_rows, evict_every=every, evict_count=batch * bag
+            "bench",
+            num_slots=num_rows,
+            evict_every=every,
+            evict_count=batch * bag,
+            **extra,
         )
-        for name, every in (("with_remap", None), ("with_remap_evicting", 1))
+        for name, every, extra in (
+            ("with_remap", None, {}),
+            ("with_remap_evicting", 1, {}),
+            ("with_remap_filtered", None, {"min_count": 2}),
+            ("with_remap_evicting_decayed", 1, {"half_life": 5}),
+        )
     }
     warm = managers["with_remap_evicting"]
     fill = jax.jit(lambda s, raw: warm.remap(s, raw)[1], donate_argnums=0)
@@ -131,7 +146,11 @@ def main(
     fns["pre_remapped"] = run_plain
     for name, mc in managers.items():
         step, cycle = remapped(mc), iter(stream)
-        live[name] = (*fresh(), jax.tree.map(jnp.copy, remap_state))
+        state = jax.tree.map(jnp.copy, remap_state)
+        if mc.min_count > 1:  # the warm slot table, with an empty admission filter
+            saved = state._asdict()
+            state = mc.restore({k: v for k, v in saved.items() if "filter" not in k})
+        live[name] = (*fresh(), state)
 
         def run(name=name, step=step, cycle=cycle):
             live[name] = step(*live[name], next(cycle))

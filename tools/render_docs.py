@@ -109,7 +109,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     ),
     "scale-out-plans": ("2026-11-cpu-plans/plan_scale_bench_cpu.json",),
     "optax-low-precision": ("2026-11-cpu-lowp-movielens/low_precision.json",),
-    "managed-cost": ("2026-11-cpu-managed/managed_bench_cpu.json",),
+    "managed-cost": ("2026-12-cpu-managed/managed_bench_cpu.json",),
     "managed-ids": ("2026-12-cpu-managed/managed_ids.json",),
 }
 
@@ -1219,6 +1219,13 @@ def managed_cost() -> str:
         ("an on-demand eviction, then a remap (no step)", ms["evict_then_refill"],
          f"{ms['evict_then_refill'] / pre:.2f}x"),
     ]  # fmt: skip
+    extra = (  # the policies' configurations, where the run has them
+        ("with_remap_filtered", "the step with the remap, an admission filter "
+         "(`min_count=2`)"),
+        ("with_remap_evicting_decayed", "the step with the remap, evicting every "
+         "step, a decayed LFU (`half_life=5`)"),
+    )  # fmt: skip
+    rows += [(label, ms[k], f"{ms[k] / pre:.2f}x") for k, label in extra if k in ms]
     lines = [
         f"Native path, `S = {_rows_label(w['num_rows'])}` slots (full), "
         f"{w['batch']} bags of {w['bag']} ids of dimension {w['dim']}, Adagrad, "

@@ -594,7 +594,8 @@ def test_managed_bench_smoke(bench, tmp_path):
         steps=1, passes=1, out=str(tmp_path),
     )  # fmt: skip
     assert set(report["ms"]) == {
-        "pre_remapped", "with_remap", "with_remap_evicting", "evict_then_refill"
+        "pre_remapped", "with_remap", "with_remap_evicting", "evict_then_refill",
+        "with_remap_filtered", "with_remap_evicting_decayed",
     }  # fmt: skip
     assert report["workload"]["distinct_ids"] == 4 * 512
     assert (tmp_path / "managed_bench_cpu.json").exists()
