@@ -419,7 +419,9 @@ class ManagedCollision:
             the slot table's fields (``table_key``, ``ids_hi``, ``ids_lo``,
             ``occupied``, ``counts``, ``last_seen``, ``free_slots``,
             ``num_free``, ``step``, ``admissions``, ``evictions``,
-            ``defaulted``), e.g. the dictionary Orbax restores.
+            ``defaulted``), e.g. the dictionary Orbax restores; the admission
+            filter's fields too where the checkpoint has them (without
+            them, the filter starts empty).
 
         Raises:
           ValueError: a field is missing or has another shape or dtype than
