@@ -613,7 +613,8 @@ def test_a_state_from_another_table_is_refused():
 
 X64_CASE = """
 import jax, jax.numpy as jnp, numpy as np, jaxslices as js
-mc = js.ManagedCollision("t", num_slots=4, evict_every=2, evict_count=3)
+mc = js.ManagedCollision("t", num_slots=4, evict_every=2, evict_count=3,
+                         min_count=2, admit_probability=0.9, half_life=2, ttl=3)
 s0 = s = r0 = mc.init()
 ids = [[2**40, 5, 5], [7, 8, -1], [2**40, -1, 3], [11, 12, 13]]
 for b in ids:

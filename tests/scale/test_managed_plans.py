@@ -31,11 +31,17 @@ TABLES = (
 COLL = js.EmbeddingCollection(TABLES)
 MANAGERS = {
     "items": js.ManagedCollision(
-        "items", num_slots=20, policy="lru", evict_every=2, evict_count=6
+        "items", num_slots=20, policy="lru", evict_every=2, evict_count=6, ttl=3
     ),
+    # a decayed LFU (and the items' time-to-live): the policies on a plan
     "users": js.ManagedCollision(
-        "users", num_slots=12, policy="lfu", evict_every=2, evict_count=4
-    ),
+        "users",
+        num_slots=12,
+        policy="lfu",
+        evict_every=2,
+        evict_count=4,
+        half_life=2,
+    ),  # fmt: skip
 }
 #: one plan holds both kinds: items row-wise, users table-wise (one buffer)
 KINDS = {"items": "row_wise", "users": ("table_wise", 5), "country": "data_parallel"}
