@@ -452,7 +452,7 @@ def lookup_and_admit(
         group, hi, lo, valid, found, place, state.num_free, state.free_slots,
     )  # fmt: skip
     admitted = assigned < S
-    if filtered and min_count > 1:
+    if min_count > 1:  # the filter after admission
         f_hi, f_lo, f_counts = written(valid & (found == S) & (rows < S))
         state = state._replace(filter_hi=f_hi, filter_lo=f_lo, filter_counts=f_counts)
 
